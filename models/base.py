@@ -1,0 +1,75 @@
+"""The interface every model backend implements.
+
+Lifecycle, in the order the inference worker calls it:
+
+1. ``load()`` once, at worker start, off the event loop (it may take seconds).
+2. ``infer(batch)`` for each micro-batch, in a worker thread (never on the event loop). It returns
+   one :class:`ModelOutput` per input, in order, or raises a :class:`models.exceptions.ModelError`
+   for the whole batch; the caller retries transient errors and splits batches to isolate a bad
+   input.
+3. ``template_answer(inp)`` under degradation level 3: a cheap canned answer, or ``None`` when the
+   backend has none.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInput:
+    """One request as a model sees it."""
+
+    messages: tuple[ChatMessage, ...]
+    max_tokens: int = 256
+    temperature: float = 0.0
+    logprobs: bool = False
+
+    @property
+    def text(self) -> str:
+        """The last user message: what an answerer or an embedder reads."""
+        for m in reversed(self.messages):
+            if m.role == "user":
+                return m.content
+        return self.messages[-1].content if self.messages else ""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOutput:
+    answer: str
+    finish_reason: str = "stop"  # stop | length | template
+    logprobs: list[float] | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class ModelBackend(abc.ABC):
+    """A model that answers batches of requests."""
+
+    #: short name requests use in their ``model`` field
+    name: str = "model"
+    #: version stamped on replies and on the ``model_inference_latency`` metric
+    version: str = "0"
+    #: the largest batch this backend accepts in one ``infer`` call
+    max_batch_size: int = 32
+
+    def load(self) -> None:  # noqa: B027 - optional hook
+        """Load weights or open connections. Called once, off the event loop."""
+
+    @abc.abstractmethod
+    def infer(self, batch: Sequence[ModelInput]) -> list[ModelOutput]:
+        """Answer a batch; blocking; one output per input, in order."""
+
+    def template_answer(self, inp: ModelInput) -> ModelOutput | None:
+        """A canned answer for degradation level 3, or ``None``."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources. Called once at worker shutdown."""

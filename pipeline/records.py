@@ -1,0 +1,239 @@
+"""Record formats of DESIGN.md "Records": JSON, UTF-8, validated with pydantic.
+
+Decoding never raises anything but :class:`InvalidRequestError`, whose message says what was
+wrong and what the limit is; :func:`salvage_ids` recovers ``request_id``/``user_id`` from a record
+that failed validation so that it can still get an error reply.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.exceptions import InvalidRequestError
+
+Priority = Literal["realtime", "interactive", "batch", "offline"]
+Tier = Literal["free", "standard", "premium"]
+Id = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+def now_ms() -> int:
+    """Wall-clock epoch milliseconds (the unit of every timestamp in the records)."""
+    return int(time.time() * 1000)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class InferenceRequest(BaseModel):
+    """What producers write to ``surge.requests``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request_id: Id
+    user_id: Id
+    tenant: Annotated[str, Field(min_length=1, max_length=128)] = "default"
+    tier: Tier = "standard"
+    priority: Priority = "interactive"
+    messages: list[Message] | None = None
+    prompt: str | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=4096, strict=True)] = 256
+    temperature: Annotated[float, Field(ge=0, le=2)] = 0.0
+    logprobs: Annotated[bool, Field(strict=True)] = False
+    deadline_ms: Annotated[int, Field(gt=0, strict=True)] | None = None
+    reply_to: Annotated[str, Field(min_length=1, max_length=249, pattern=r"^[A-Za-z0-9._-]+$")] | None = None
+    cache: Annotated[bool, Field(strict=True)] = True
+    model: Annotated[str, Field(max_length=256)] | None = None
+    created_at: Annotated[int, Field(ge=0, strict=True)] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages_not_empty(cls, v: list[Message] | None) -> list[Message] | None:
+        if v is not None and not v:
+            raise ValueError("messages must hold at least one message")
+        return v
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> InferenceRequest:
+        if self.messages is None and self.prompt is None:
+            raise ValueError("one of messages or prompt is required")
+        if self.messages is not None and self.prompt is not None:
+            raise ValueError("give messages or prompt, not both")
+        if self.prompt is not None and not self.prompt.strip():
+            raise ValueError("prompt must not be empty")
+        return self
+
+    def chat(self) -> list[Message]:
+        """The conversation, with ``prompt`` turned into one user message."""
+        return (
+            self.messages if self.messages is not None else [Message(role="user", content=self.prompt or "")]
+        )
+
+    def text(self) -> str:
+        """The last user message: what caches and dedup compare."""
+        for m in reversed(self.chat()):
+            if m.role == "user":
+                return m.content
+        return self.chat()[-1].content
+
+
+class WorkItem(BaseModel):
+    """A validated request on its way to the inference agent (``surge.work.<priority>``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request: InferenceRequest
+    priority: Priority
+    tier: Tier
+    reply_to: str
+    created_at_ms: int
+    arrival_ms: int
+    deadline_at_ms: int | None
+    cache_key: str | None = None
+
+
+class ErrorInfo(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    code: Literal[
+        "invalid_request", "rate_limited", "overloaded", "deadline_exceeded", "model_error", "internal"
+    ]
+    message: str
+    retry_after_ms: int | None = None
+
+
+class Timings(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    queued_ms: float | None = None
+    inference_ms: float | None = None
+    total_ms: float | None = None
+    batch_size: int | None = None
+
+
+class InferenceReply(BaseModel):
+    """One reply per request, on the request's ``reply_to`` topic, keyed by ``user_id``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    request_id: str
+    user_id: str
+    status: Literal["ok", "error"]
+    answer: str | None = None
+    finish_reason: Literal["stop", "length", "template"] | None = None
+    logprobs: list[float] | None = None
+    error: ErrorInfo | None = None
+    served_from: Literal["model", "cache", "merged", "template"] | None = None
+    merged_into: str | None = None
+    similarity: float | None = None
+    degradation_level: int = 0
+    model_version: str | None = None
+    priority: Priority | None = None
+    timings: Timings = Timings()
+
+
+class DeadLetter(BaseModel):
+    """A record surge could not process, for operators (``surge.deadletter``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    source_topic: str
+    partition: int
+    offset: int
+    reason: str
+    message: str
+    key_b64: str | None
+    raw_b64: str
+    at_ms: int
+
+    @classmethod
+    def of(
+        cls, topic: str, partition: int, offset: int, reason: str, message: str, key: bytes | None, raw: bytes
+    ) -> DeadLetter:
+        return cls(
+            source_topic=topic,
+            partition=partition,
+            offset=offset,
+            reason=reason,
+            message=message,
+            key_b64=base64.b64encode(key).decode() if key is not None else None,
+            raw_b64=base64.b64encode(raw).decode(),
+            at_ms=now_ms(),
+        )
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err["loc"]) or "record"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def decode_request(
+    raw: bytes | None, key: bytes | None, *, max_record_bytes: int, max_content_bytes: int
+) -> InferenceRequest:
+    """Decode and validate one request record; raises :class:`InvalidRequestError` only."""
+    if raw is None:
+        raise InvalidRequestError("empty record (no value)")
+    if len(raw) > max_record_bytes:
+        raise InvalidRequestError(f"record is {len(raw)} bytes; the limit is {max_record_bytes} bytes")
+    try:
+        data: Any = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(f"record is not UTF-8 text: {exc.reason} at byte {exc.start}") from exc
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(
+            f"record is not valid JSON: {exc.msg} at line {exc.lineno} col {exc.colno}"
+        ) from exc
+    if not isinstance(data, dict):
+        raise InvalidRequestError(f"record must be a JSON object, got {type(data).__name__}")
+    try:
+        req = InferenceRequest.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidRequestError(f"invalid request: {_describe(exc)}") from exc
+    for m in req.chat():
+        size = len(m.content.encode("utf-8"))
+        if size > max_content_bytes:
+            raise InvalidRequestError(f"content is {size} bytes; the limit is {max_content_bytes} bytes")
+    if key is not None and key.decode("utf-8", "replace") != req.user_id:
+        raise InvalidRequestError(
+            f"record key {key.decode('utf-8', 'replace')!r} differs from user_id {req.user_id!r}; "
+            "key requests by user_id"
+        )
+    return req
+
+
+def salvage_ids(raw: bytes | None) -> tuple[str, str, str | None] | None:
+    """``(request_id, user_id, reply_to)`` from a record that failed validation, when readable."""
+    if not raw or len(raw) > (4 << 20):
+        return None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    rid, uid, reply_to = data.get("request_id"), data.get("user_id"), data.get("reply_to")
+    if not (isinstance(rid, str) and isinstance(uid, str) and 0 < len(rid) <= 128 and 0 < len(uid) <= 128):
+        return None
+    if not (
+        isinstance(reply_to, str)
+        and 0 < len(reply_to) <= 249
+        and reply_to.replace(".", "").replace("_", "").replace("-", "").isalnum()
+    ):
+        reply_to = None
+    return rid, uid, reply_to
+
+
+def encode(record: BaseModel) -> bytes:
+    """JSON bytes of a record, without null fields."""
+    return record.model_dump_json(exclude_none=True).encode("utf-8")

@@ -1,0 +1,160 @@
+"""The one settings object of surge: frozen, read from ``SURGE_*`` environment variables.
+
+Every field carries its unit in its name. ``Settings()`` validates combinations at start and
+raises :class:`pipeline.exceptions.SettingsError` naming both values when they disagree.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pipeline.exceptions import SettingsError
+
+PRIORITIES = ("realtime", "interactive", "batch", "offline")
+TIERS = ("free", "standard", "premium")
+
+
+class Settings(BaseSettings):
+    """All knobs of a surge process. Environment: ``SURGE_<FIELD>`` (case-insensitive)."""
+
+    model_config = SettingsConfigDict(env_prefix="SURGE_", frozen=True, extra="ignore")
+
+    # --- Kafka and Faust -------------------------------------------------------------------------
+    broker: str = Field("kafka://127.0.0.1:9092", description="Kafka bootstrap servers, kafka://h:p[,h:p]")
+    app_id: str = Field("surge", description="Faust app id: the consumer group and changelog prefix")
+    topic_prefix: str = Field("surge.", description="prefix of every topic name")
+    partitions: int = Field(8, ge=1, le=1024, description="partitions of each topic surge creates")
+    replication_factor: int = Field(1, ge=1, le=16, description="replication factor of created topics")
+    processing_guarantee: Literal["at_least_once", "exactly_once"] = Field(
+        "at_least_once", description="Faust processing guarantee; exactly_once uses Kafka transactions"
+    )
+    commit_interval_ms: int = Field(
+        500, ge=50, le=60_000, description="how often acked offsets are committed"
+    )
+    data_dir: Path = Field(Path(".surge-data"), description="folder of the RocksDB table stores")
+    web_port: int = Field(6066, ge=0, le=65535, description="worker web port serving /metrics")
+    role: Literal["intake", "inference", "all"] = Field("all", description="which agents this worker runs")
+    worker_id: str = Field("", description="name of this worker in logs; defaults to host:pid")
+
+    # --- embedded broker ---------------------------------------------------------------------------
+    kafka_version: str = Field("4.1.1", description="Apache Kafka version resolved from Maven Central")
+    kafka_cache_dir: Path = Field(
+        Path.home() / ".cache" / "surge" / "kafka", description="where the broker's jars are cached"
+    )
+    kafka_heap_mb: int = Field(512, ge=128, le=65536, description="JVM heap of the embedded broker, MiB")
+
+    # --- records -------------------------------------------------------------------------------------
+    max_record_bytes: int = Field(1 << 20, ge=1024, description="largest accepted request record, bytes")
+    max_content_bytes: int = Field(32 << 10, ge=64, description="largest prompt or message content, bytes")
+
+    # --- models -------------------------------------------------------------------------------------
+    model: Literal["faq", "hf", "remote", "echo"] = Field("faq", description="answer model backend")
+    model_path: str | None = Field(None, description="Hugging Face causal LM folder (model=hf)")
+    model_dtype: str = Field("auto", description="dtype of the HF model: auto, float32, bfloat16, float16")
+    model_device_map: str | None = Field(None, description="HF device_map, e.g. auto")
+    remote_base_url: str | None = Field(None, description="OpenAI-compatible endpoint (model=remote)")
+    remote_model: str = Field("default", description="model name sent to the remote endpoint")
+    remote_api_key: str | None = Field(None, description="API key of the remote endpoint")
+    remote_timeout_s: float = Field(30.0, gt=0, description="timeout of one remote call, seconds")
+    echo_delay_ms: float = Field(0.0, ge=0, description="echo model: time per batch, milliseconds")
+    echo_per_item_ms: float = Field(0.0, ge=0, description="echo model: extra time per item, milliseconds")
+    embedder_path: str | None = Field(None, description="sentence-transformers folder; default MiniLM-L6")
+    faq_confidence_floor: float = Field(0.35, ge=0, le=1, description="FAQ answers below this say 'not sure'")
+
+    # --- scheduling ------------------------------------------------------------------------------------
+    deadline_realtime_ms: int = Field(200, gt=0, description="real-time deadline from created_at, ms")
+    deadline_interactive_ms: int = Field(500, gt=0, description="interactive deadline, ms")
+    deadline_batch_ms: int = Field(5000, gt=0, description="batch deadline, ms")
+    deadline_offline_ms: int = Field(0, ge=0, description="offline deadline, ms; 0 = none")
+    deadline_policy_batch: Literal["reject", "delay"] = Field(
+        "reject", description="what happens to an expired batch item: reject or move to offline"
+    )
+    queue_limit_per_class: int = Field(512, ge=1, description="in-memory queue bound of each class")
+    max_batch_size: int = Field(32, ge=1, le=4096, description="largest micro-batch")
+    base_batch_size: int = Field(8, ge=1, description="batch size scale: ceil(base*ln(depth+1))")
+    max_wait_ms: float = Field(10.0, ge=0, description="longest a batch window stays open, ms")
+    queue_policy: Literal["edf", "fifo"] = Field(
+        "edf", description="edf: priority + deadlines; fifo: baseline"
+    )
+
+    # --- dedup and caches ------------------------------------------------------------------------------
+    dedup_enabled: bool = Field(True, description="merge semantically identical waiting/in-flight requests")
+    cache_enabled: bool = Field(True, description="serve repeats from the exact and semantic caches")
+    semantic_threshold: float = Field(0.9, gt=0, le=1, description="cosine similarity needed to merge")
+    cache_ttl_s: float = Field(3600.0, gt=0, description="life of a cached answer, seconds")
+    cache_max_entries: int = Field(100_000, ge=1, description="cache size bound; LRU eviction beyond it")
+
+    # --- rate limits -------------------------------------------------------------------------------------
+    rate_limit_enabled: bool = Field(True, description="apply the token buckets")
+    user_rate_per_s_free: float = Field(2.0, gt=0, description="free tier, requests/s per user")
+    user_burst_free: float = Field(10.0, ge=1, description="free tier bucket size")
+    user_rate_per_s_standard: float = Field(20.0, gt=0, description="standard tier, requests/s per user")
+    user_burst_standard: float = Field(50.0, ge=1, description="standard tier bucket size")
+    user_rate_per_s_premium: float = Field(100.0, gt=0, description="premium tier, requests/s per user")
+    user_burst_premium: float = Field(200.0, ge=1, description="premium tier bucket size")
+    tenant_rate_per_s: float = Field(2000.0, gt=0, description="requests/s per tenant")
+    tenant_burst: float = Field(4000.0, ge=1, description="tenant bucket size")
+
+    # --- degradation -------------------------------------------------------------------------------------
+    degrade_enabled: bool = Field(True, description="run the overload degradation controller")
+    degrade_cooldown_ms: float = Field(5000.0, ge=0, description="low pressure needed before stepping down")
+    degrade_max_tokens_cap: int = Field(256, ge=1, description="max_tokens cap from level 2")
+
+    # --- gateway -------------------------------------------------------------------------------------------
+    gateway_port: int = Field(8000, ge=0, le=65535, description="HTTP port of the OpenAI-compatible gateway")
+    api_keys: str = Field("", description="comma list key:tenant; empty: no key needed, tenant default")
+    gateway_timeout_ms: int = Field(30_000, gt=0, description="longest the gateway waits for a reply, ms")
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> Settings:
+        if self.base_batch_size > self.max_batch_size:
+            raise ValueError(
+                f"base_batch_size={self.base_batch_size} must not exceed max_batch_size={self.max_batch_size}"
+            )
+        if not (self.deadline_realtime_ms <= self.deadline_interactive_ms <= self.deadline_batch_ms):
+            raise ValueError(
+                f"deadlines must not shrink with priority: deadline_realtime_ms={self.deadline_realtime_ms}, "
+                f"deadline_interactive_ms={self.deadline_interactive_ms}, "
+                f"deadline_batch_ms={self.deadline_batch_ms}"
+            )
+        if self.model == "hf" and not self.model_path:
+            raise ValueError(f"model={self.model!r} needs model_path (SURGE_MODEL_PATH), got None")
+        if self.model == "remote" and not self.remote_base_url:
+            raise ValueError(f"model={self.model!r} needs remote_base_url, got None")
+        return self
+
+    @classmethod
+    def load(cls, **overrides: object) -> Settings:
+        """Build settings from the environment plus ``overrides`` (CLI flags); typed error on failure."""
+        try:
+            return cls(**overrides)  # type: ignore[arg-type]
+        except ValidationError as exc:
+            raise SettingsError(f"invalid settings: {exc}") from exc
+
+    @cached_property
+    def bootstrap_servers(self) -> str:
+        """``host:port,...`` for aiokafka clients."""
+        return ",".join(s.split("://", 1)[-1] for s in self.broker.split(","))
+
+    def deadline_ms(self, priority: str) -> int | None:
+        """Class deadline in ms, or None for no deadline."""
+        value = {
+            "realtime": self.deadline_realtime_ms,
+            "interactive": self.deadline_interactive_ms,
+            "batch": self.deadline_batch_ms,
+            "offline": self.deadline_offline_ms,
+        }[priority]
+        return value or None
+
+    def api_key_tenants(self) -> dict[str, str]:
+        """``{api_key: tenant}`` parsed from ``api_keys``."""
+        out: dict[str, str] = {}
+        for part in filter(None, (p.strip() for p in self.api_keys.split(","))):
+            key, _, tenant = part.partition(":")
+            out[key] = tenant or "default"
+        return out
