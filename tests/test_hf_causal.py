@@ -1,0 +1,165 @@
+"""HFCausalLM on a tiny random-weight Llama written by build_tiny_causal_lm and loaded the real way."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.base import ChatMessage, ModelInput
+from models.exceptions import ModelError, ModelLoadError
+from models.hf_causal import HFCausalLM
+from models.tiny import build_tiny_causal_lm
+
+
+def ask(text: str, **kw: object) -> ModelInput:
+    return ModelInput(messages=(ChatMessage("user", text),), **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """On a shared 2-core box, torch's spinning intra-op threads make tiny matmuls 10-100x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny-lm"))
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_dir: Path) -> HFCausalLM:
+    model = HFCausalLM(tiny_dir, name="tiny", max_batch_size=8)
+    model.load()
+    return model
+
+
+PROMPTS = [
+    "hi",
+    "my card was declined twice today at the shop, what can I do",
+    "how do I change the pin code on my new debit card before I travel abroad next week " * 3,
+    "balance?",
+]
+
+
+def test_tiny_model_is_about_one_million_parameters(tiny_dir: Path) -> None:
+    config = json.loads((tiny_dir / "config.json").read_text())
+    assert 500_000 < config["surge_num_parameters"] < 2_000_000
+    assert (tiny_dir / "tokenizer.json").is_file()
+
+
+def test_params_target_sets_the_size(tmp_path: Path) -> None:
+    folder = build_tiny_causal_lm(tmp_path, params_target=3_000_000)
+    n = json.loads((folder / "config.json").read_text())["surge_num_parameters"]
+    assert abs(n - 3_000_000) / 3_000_000 < 0.15
+
+
+def test_version_is_name_and_config_hash(lm: HFCausalLM, tiny_dir: Path) -> None:
+    sha8 = hashlib.sha256((tiny_dir / "config.json").read_bytes()).hexdigest()[:8]
+    assert lm.version == f"tiny@{sha8}"
+
+
+def test_batch_of_different_lengths_gives_one_output_each_within_max_tokens(lm: HFCausalLM) -> None:
+    limits = [3, 7, 5, 1]
+    outs = lm.infer([ask(p, max_tokens=n) for p, n in zip(PROMPTS, limits, strict=True)])
+    assert len(outs) == len(PROMPTS)
+    prompt_lengths = [o.extra["prompt_tokens"] for o in outs]
+    assert len(set(prompt_lengths)) == len(PROMPTS)  # really different lengths, padded together
+    for out, limit in zip(outs, limits, strict=True):
+        n = out.extra["completion_tokens"]
+        assert isinstance(n, int) and n <= limit
+        assert out.finish_reason == ("length" if n == limit else "stop")
+        assert out.logprobs is None
+    assert any(o.finish_reason == "length" for o in outs)
+
+
+def test_left_padding_gives_the_same_greedy_answer_as_alone(lm: HFCausalLM) -> None:
+    batch = [ask(p, max_tokens=6) for p in PROMPTS]
+    together = lm.infer(batch)
+    alone = [lm.infer([inp])[0] for inp in batch]
+    assert [o.answer for o in together] == [o.answer for o in alone]
+
+
+def test_greedy_is_deterministic(lm: HFCausalLM) -> None:
+    batch = [ask(p, max_tokens=8) for p in PROMPTS]
+    assert [o.answer for o in lm.infer(batch)] == [o.answer for o in lm.infer(batch)]
+
+
+def test_logprobs_when_asked_one_per_token_and_not_positive(lm: HFCausalLM) -> None:
+    outs = lm.infer([ask(PROMPTS[0], max_tokens=6, logprobs=True), ask(PROMPTS[1], max_tokens=4)])
+    first, second = outs
+    assert first.logprobs is not None
+    assert len(first.logprobs) == first.extra["completion_tokens"]
+    assert all(lp <= 0.0 for lp in first.logprobs)
+    assert second.logprobs is None
+
+
+def test_mixed_temperatures_keep_greedy_rows_greedy(lm: HFCausalLM) -> None:
+    greedy = [ask(p, max_tokens=6) for p in PROMPTS[:2]]
+    expected = [o.answer for o in lm.infer(greedy)]
+    mixed = [greedy[0], ask("tell me about fees", max_tokens=6, temperature=1.3, logprobs=True), greedy[1]]
+    outs = lm.infer(mixed)
+    assert [outs[0].answer, outs[2].answer] == expected
+    assert outs[1].extra["completion_tokens"] <= 6
+    assert outs[1].logprobs is not None and all(lp <= 0.0 for lp in outs[1].logprobs)
+
+
+def test_batches_above_max_batch_size_run_in_chunks(tiny_dir: Path, lm: HFCausalLM) -> None:
+    small = HFCausalLM(tiny_dir, name="tiny", max_batch_size=2)
+    small.load()
+    batch = [ask(p, max_tokens=4) for p in [*PROMPTS, "one more"]]
+    assert [o.answer for o in small.infer(batch)] == [o.answer for o in lm.infer(batch)]
+
+
+def test_plain_role_join_when_the_tokenizer_has_no_chat_template(tiny_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "no-template"
+    shutil.copytree(tiny_dir, folder)
+    (folder / "chat_template.jinja").unlink()
+    model = HFCausalLM(folder)
+    model.load()
+    inp = ModelInput(messages=(ChatMessage("system", "be brief"), ChatMessage("user", "hello")), max_tokens=3)
+    assert model.render_prompt(inp) == "system: be brief\nuser: hello\nassistant:"
+    (out,) = model.infer([inp])
+    assert out.extra["completion_tokens"] <= 3
+
+
+def test_missing_folder_is_a_load_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        HFCausalLM(tmp_path / "nowhere").load()
+
+
+def test_folder_without_config_is_a_load_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"config\.json"):
+        HFCausalLM(tmp_path).load()
+
+
+def test_corrupt_weights_are_a_load_error(tiny_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "corrupt"
+    shutil.copytree(tiny_dir, folder)
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelLoadError, match="cannot load"):
+        HFCausalLM(folder).load()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_8bit_without_cuda_is_a_load_error(tiny_dir: Path) -> None:
+    with pytest.raises(ModelLoadError, match="needs CUDA"):
+        HFCausalLM(tiny_dir, load_in_8bit=True).load()
+
+
+def test_infer_before_load_is_a_model_error(tiny_dir: Path) -> None:
+    with pytest.raises(ModelError, match="not loaded"):
+        HFCausalLM(tiny_dir).infer([ask("hi")])
+
+
+def test_unknown_dtype_is_refused(tiny_dir: Path) -> None:
+    with pytest.raises(ModelLoadError, match="dtype"):
+        HFCausalLM(tiny_dir, dtype="float8")
