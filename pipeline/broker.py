@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -21,8 +22,10 @@ import socket
 import subprocess
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeline.exceptions import BrokerError
 
@@ -193,6 +196,8 @@ class EmbeddedKafka:
             "log.flush.interval.ms": "1000",
             "num.network.threads": "2",
             "num.io.threads": "4",
+            "message.max.bytes": str(8 << 20),
+            "replica.fetch.max.bytes": str(8 << 20),
         }
         path = self.data_dir / "server.properties"
         path.write_text("".join(f"{k}={v}\n" for k, v in cfg.items()))
@@ -254,7 +259,7 @@ class EmbeddedKafka:
                     f"Kafka exited with {self.process.returncode} during start; log {self.log_path}:\n"
                     f"{self._tail()}"
                 )
-            if asyncio.run(metadata_answers(self.state.bootstrap)):
+            if _run_sync(metadata_answers(self.state.bootstrap)):
                 return self.state
             time.sleep(0.5)
         self.stop()
@@ -287,6 +292,16 @@ class EmbeddedKafka:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _run_sync(coro: Coroutine[Any, Any, bool]) -> bool:
+    """Run a coroutine to completion, also when called from inside a running event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def pid_alive(pid: int) -> bool:

@@ -152,12 +152,23 @@ class DeadLetter(BaseModel):
     message: str
     key_b64: str | None
     raw_b64: str
+    raw_bytes: int
+    raw_truncated: bool = False
     at_ms: int
 
     @classmethod
     def of(
-        cls, topic: str, partition: int, offset: int, reason: str, message: str, key: bytes | None, raw: bytes
+        cls,
+        topic: str,
+        partition: int,
+        offset: int,
+        reason: str,
+        message: str,
+        key: bytes | None,
+        raw: bytes,
+        max_raw_bytes: int = 1 << 20,
     ) -> DeadLetter:
+        """A dead letter for one record; raw bytes beyond ``max_raw_bytes`` are cut (and flagged)."""
         return cls(
             source_topic=topic,
             partition=partition,
@@ -165,7 +176,9 @@ class DeadLetter(BaseModel):
             reason=reason,
             message=message,
             key_b64=base64.b64encode(key).decode() if key is not None else None,
-            raw_b64=base64.b64encode(raw).decode(),
+            raw_b64=base64.b64encode(raw[:max_raw_bytes]).decode(),
+            raw_bytes=len(raw),
+            raw_truncated=len(raw) > max_raw_bytes,
             at_ms=now_ms(),
         )
 

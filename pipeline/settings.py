@@ -37,6 +37,9 @@ class Settings(BaseSettings):
         500, ge=50, le=60_000, description="how often acked offsets are committed"
     )
     data_dir: Path = Field(Path(".surge-data"), description="folder of the RocksDB table stores")
+    stream_buffer_max_records: int = Field(
+        256, ge=1, description="records Faust buffers per partition before pausing its fetch (backpressure)"
+    )
     web_port: int = Field(6066, ge=0, le=65535, description="worker web port serving /metrics")
     role: Literal["intake", "inference", "all"] = Field("all", description="which agents this worker runs")
     worker_id: str = Field("", description="name of this worker in logs; defaults to host:pid")
@@ -85,7 +88,7 @@ class Settings(BaseSettings):
     # --- dedup and caches ------------------------------------------------------------------------------
     dedup_enabled: bool = Field(True, description="merge semantically identical waiting/in-flight requests")
     cache_enabled: bool = Field(True, description="serve repeats from the exact and semantic caches")
-    semantic_threshold: float = Field(0.9, gt=0, le=1, description="cosine similarity needed to merge")
+    semantic_threshold: float = Field(0.92, gt=0, le=1, description="cosine similarity needed to merge")
     cache_ttl_s: float = Field(3600.0, gt=0, description="life of a cached answer, seconds")
     cache_max_entries: int = Field(100_000, ge=1, description="cache size bound; LRU eviction beyond it")
 

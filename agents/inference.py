@@ -1,0 +1,415 @@
+"""The inference agent: strict-priority reads, embedding, cache and merge, micro-batches, replies.
+
+Four readers (one per work topic) admit items into one scheduler; a lower class is read only
+while no higher class has items waiting, and its partitions are paused while it may not be read,
+so backlog waits in Kafka. New items are embedded in batches, answered from the semantic cache,
+or merged into an open leader; the rest wait for a micro-batch. The model runs in a worker
+thread. A reply is sent for every request and its offset acked only after the broker has it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import faust
+import numpy as np
+from faust.types import EventT
+from pydantic import ValidationError
+
+from agents.runtime import Runtime, ack_after, event_context
+from models.base import ChatMessage, ModelBackend, ModelInput, ModelOutput
+from models.embedder import Embedder
+from models.exceptions import ModelError
+from pipeline.batcher import AsyncBatcher, BatchObserver
+from pipeline.cache import AnswerCache, CachedAnswer
+from pipeline.dedup import exact_key, is_embeddable, normalize, scope_key
+from pipeline.degrade import DegradationController, DegradeConfig, MissRateWindow, plan
+from pipeline.exceptions import DeadlineExceededError, OverloadedError, SurgeError
+from pipeline.isolation import RetryPolicy, run_isolated
+from pipeline.merge import MergeRegistry
+from pipeline.records import InferenceReply, Timings, WorkItem, now_ms
+from pipeline.scheduler import DeadlinePolicy, Priority, QueuedItem, Scheduler, SchedulerConfig, Tier
+
+log = logging.getLogger("surge.inference")
+RANK = {p: i for i, p in enumerate(("realtime", "interactive", "batch", "offline"))}
+
+
+@dataclass
+class Pending:
+    """One request inside this worker, from admission to reply."""
+
+    stream: faust.StreamT
+    event: EventT
+    work: WorkItem
+    scope: str
+    inp: ModelInput
+    level: int = 0
+    vector: np.ndarray | None = None
+    cache_key: str | None = None
+    followers: list[tuple[Pending, float]] = field(default_factory=list)
+
+    @property
+    def req_id(self) -> str:
+        return self.work.request.request_id
+
+
+class _Observer(BatchObserver):
+    def __init__(self, inf: Inference) -> None:
+        self.inf = inf
+
+    def on_depth(self, depths: Any) -> None:
+        m = self.inf.rt.metrics
+        total = 0
+        for p, n in depths.items():
+            m.requests_queue_depth.labels(priority=str(p)).set(n)
+            total += n
+        m.requests_in_queue_per_worker.set(total)
+
+    def on_flush(self, size: int, limit: int, waits_ms: Any) -> None:
+        self.inf.rt.metrics.batch_fill_ratio.observe(size / max(1, limit))
+
+
+class Inference:
+    """State of the inference agents in one worker."""
+
+    def __init__(
+        self,
+        rt: Runtime,
+        model: ModelBackend,
+        template_model: ModelBackend | None,
+        embedder: Embedder | None,
+        cache: AnswerCache | None,
+    ) -> None:
+        self.rt = rt
+        s = rt.settings
+        self.model = model
+        self.template_model = template_model
+        self.embedder = embedder
+        self.cache = cache
+        cfg = SchedulerConfig(
+            deadline_ms={p: s.deadline_ms(p) for p in RANK},
+            queue_limit={p: s.queue_limit_per_class for p in RANK},
+            deadline_policy={"batch": DeadlinePolicy(s.deadline_policy_batch)},
+            max_batch_size=min(s.max_batch_size, model.max_batch_size),
+            base_batch_size=min(s.base_batch_size, s.max_batch_size, model.max_batch_size),
+            max_wait_ms=s.max_wait_ms,
+        )
+        self.scheduler = Scheduler(cfg, policy=s.queue_policy)
+        self.batcher = AsyncBatcher(self.scheduler, _Observer(self))
+        self.merges = MergeRegistry(s.semantic_threshold)
+        self.controller = DegradationController(
+            DegradeConfig(cooldown_ms=s.degrade_cooldown_ms, max_tokens_cap=s.degrade_max_tokens_cap)
+        )
+        self.misses = MissRateWindow()
+        self.model_pool = ThreadPoolExecutor(1, thread_name_prefix="surge-model")
+        self.embed_pool = ThreadPoolExecutor(1, thread_name_prefix="surge-embed")
+        self.retry = RetryPolicy()
+        self.ready = asyncio.Event()
+        self._arrivals: list[Pending] = []
+        self._arrived = asyncio.Event()
+        self._blocked: set[str] = set()
+        self.model_calls = 0
+
+    # ---- start ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Load the models off the event loop; readers wait for this."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.model_pool, self.model.load)
+        if self.template_model is not None and self.template_model is not self.model:
+            await loop.run_in_executor(self.model_pool, self.template_model.load)
+        if self.cache is not None:
+            self.cache.sync()
+        self.ready.set()
+        log.info("inference ready: model %s version %s", self.model.name, self.model.version)
+
+    def status(self) -> dict[str, object]:
+        """What /status shows: queue depths, paused topics, open leaders, model calls."""
+        return {
+            "ready": self.ready.is_set(),
+            "depths": {str(p): n for p, n in self.scheduler.depths().items()},
+            "arrivals_waiting": len(self._arrivals),
+            "blocked_classes": sorted(self._blocked),
+            "open_leaders": len(self.merges),
+            "model_calls": self.model_calls,
+            "batches": self.batcher.batches,
+            "degradation_level": self.controller.level,
+        }
+
+    # ---- admission (one reader per class) ---------------------------------------------------------
+    async def admit(self, priority: str, stream: faust.StreamT, event: EventT) -> None:
+        """Called by a work-topic reader for each record, in order."""
+        await self.ready.wait()
+        s = self.rt.settings
+        prio = Priority(priority)
+        if not self.scheduler.can_admit(prio):
+            # While this reader waits, Faust's flow control pauses the topic's partitions once the
+            # stream buffer (stream_buffer_max_records) is full: the backlog stays in Kafka.
+            self._blocked.add(priority)
+            await self.batcher.wait_admit(prio)
+            self._blocked.discard(priority)
+        try:
+            work = WorkItem.model_validate_json(event.message.value)
+        except (ValidationError, ValueError, TypeError) as exc:
+            fut = await self.rt.deadletter(event, "invalid_work_item", f"undecodable work item: {exc}")
+            self._ack_later(stream, [event], [fut])
+            return
+        req = work.request
+        level = self.controller.level if self.rt.settings.degrade_enabled else 0
+        p = plan(
+            level, priority, work.tier, req.max_tokens, req.logprobs, max_tokens_cap=s.degrade_max_tokens_cap
+        )
+        inp = ModelInput(
+            messages=tuple(ChatMessage(m.role, m.content) for m in req.chat()),
+            max_tokens=p.max_tokens, temperature=req.temperature, logprobs=p.logprobs,
+        )  # fmt: skip
+        scope = scope_key(req.tenant, req.model or self.model.name, p.max_tokens, req.temperature, p.logprobs)
+        pending = Pending(stream, event, work, scope, inp, level=p.level_applied)
+        if p.use_template and self.template_model is not None:
+            await self._finish([(pending, self._template(pending), "template", None, None)], batch_size=0)
+            return
+        self._arrivals.append(pending)
+        self._arrived.set()
+
+    # ---- embedding, cache, merge ------------------------------------------------------------------
+    async def embed_loop(self) -> None:
+        """Embed arrivals in batches, then answer from cache, merge, or queue each one."""
+        await self.ready.wait()
+        loop = asyncio.get_running_loop()
+        s = self.rt.settings
+        while True:
+            await self._arrived.wait()
+            self._arrived.clear()
+            items, self._arrivals = self._arrivals, []
+            if not items:
+                continue
+            want = [
+                i for i, it in enumerate(items)
+                if self.embedder is not None and (s.dedup_enabled or (s.cache_enabled and it.work.request.cache))
+                and is_embeddable(it.inp.text, self.embedder.multilingual)
+            ]  # fmt: skip
+            if want:
+                assert self.embedder is not None
+                vecs = await loop.run_in_executor(
+                    self.embed_pool, self.embedder.embed, [items[i].inp.text for i in want]
+                )
+                for row, i in enumerate(want):
+                    items[i].vector = vecs[row]
+            done: list[tuple[Pending, ModelOutput | ModelError, str, str | None, float | None]] = []
+            for it in items:
+                try:
+                    with event_context(it.event):
+                        await self._route(it, done)
+                except Exception as exc:
+                    log.exception("routing %s failed", it.req_id)
+                    done.append((it, SurgeError(f"internal error: {exc!r}"), "internal", None, None, None))
+            if done:
+                await self._finish(done, batch_size=0)
+
+    async def _route(self, it: Pending, done: list[Any]) -> None:
+        s, m = self.rt.settings, self.rt.metrics
+        req = it.work.request
+        use_cache = s.cache_enabled and req.cache and self.cache is not None
+        if use_cache:
+            assert self.cache is not None
+            it.cache_key = exact_key(normalize(it.inp.text), it.scope)
+            hit = self.cache.get_exact(it.cache_key)
+            if hit is None and it.vector is not None:
+                found = self.cache.search(it.scope, it.vector, s.semantic_threshold)
+                if found is not None and not _guard_ok(found[0].text, it.inp.text):
+                    found = None
+            else:
+                found = (hit, 1.0) if hit is not None else None
+            m.cache_lookups.labels(layer="semantic", result="hit" if found else "miss").inc()
+            if found is not None:
+                entry, sim = found
+                out = ModelOutput(entry.answer, entry.finish_reason)
+                done.append((it, out, "cache", entry.request_id, sim, entry.model_version))
+                return
+        if s.dedup_enabled and req.cache:
+            joined = self.merges.find(it.scope, it.inp.text, it.vector, RANK[it.work.priority])
+            if joined is not None:
+                leader, sim = joined
+                leader.followers.append((it, sim))
+                return
+        item = QueuedItem(
+            item_id=req.request_id, user_id=req.user_id, priority=Priority(it.work.priority),
+            tier=Tier(it.work.tier), created_at_ms=it.work.created_at_ms,
+            deadline_at_ms=it.work.deadline_at_ms, enqueued_at_ms=now_ms(), payload=it,
+        )  # fmt: skip
+        try:
+            self.batcher.put(item)
+        except OverloadedError as exc:
+            done.append((it, exc, "overloaded", None, None, None))
+            return
+        if s.dedup_enabled and req.cache:
+            self.merges.open(req.request_id, it.scope, it.inp.text, it.vector, RANK[it.work.priority])
+
+    # ---- batches ---------------------------------------------------------------------------------
+    async def batch_loop(self) -> None:
+        """Pop micro-batches and run them, one model call at a time."""
+        await self.ready.wait()
+        while True:
+            batch = await self.batcher.next_batch()
+            now = now_ms()
+            done: list[Any] = []
+            for q in batch.expired:
+                it: Pending = q.payload
+                late = int(now - (q.deadline_at_ms or now))
+                deadline = int((q.deadline_at_ms or now) - it.work.created_at_ms)
+                err = DeadlineExceededError(deadline, late, str(q.priority))
+                self.rt.metrics.deadline_missed.labels(priority=str(q.priority)).inc()
+                self.misses.record(True, now)
+                done.append((it, err, "deadline", None, None, None))
+                for f, _ in self.merges.close(it.req_id):
+                    done.append((f, err, "deadline", None, None, None))
+            if done:
+                await self._finish(done, batch_size=0)
+            if batch.items:
+                try:
+                    await self._run(batch.items, batch.limit)
+                except Exception as exc:
+                    log.exception("batch of %d failed", len(batch.items))
+                    err = SurgeError(f"internal error: {exc!r}")
+                    await self._finish(
+                        [(q.payload, err, "internal", None, None, None) for q in batch.items], batch_size=0
+                    )
+            self._observe_pressure()
+
+    def _observe_pressure(self) -> None:
+        if not self.rt.settings.degrade_enabled:
+            return
+        now = now_ms()
+        level = self.controller.observe(self.scheduler.depth(), self.misses.miss_rate(now), now)
+        self.rt.metrics.degradation_level.set(level)
+
+    async def _run(self, items: list[QueuedItem], limit: int) -> None:
+        loop = asyncio.get_running_loop()
+        pend: list[Pending] = [q.payload for q in items]
+        now = now_ms()
+        for q in items:
+            self.misses.record(False, now)
+            leader = self.merges.get(q.item_id)
+            if leader is not None:
+                leader.in_flight = True
+        m = self.rt.metrics
+        m.batch_size.observe(len(pend))
+        calls: list[int] = []
+        t0 = time.perf_counter()
+        results = await loop.run_in_executor(
+            self.model_pool, run_isolated, [p.inp for p in pend], self.model.infer, self.retry,
+            time.sleep, calls.append,
+        )  # fmt: skip
+        seconds = time.perf_counter() - t0
+        self.model_calls += len(calls)
+        self.batcher.record_batch(len(pend), seconds)
+        m.model_inference_latency.labels(model_version=self.model.version).observe(seconds)
+        done: list[Any] = []
+        for p, res in zip(pend, results, strict=True):
+            done.append((p, res, "model", None, None, None))
+            followers = self.merges.close(p.req_id)
+            for f, sim in followers:
+                m.merged.inc()
+                done.append((f, res, "merged", p.req_id, sim, None))
+            if isinstance(res, ModelOutput) and p.cache_key and self.cache is not None:
+                with event_context(p.event):
+                    self.cache.put(p.cache_key, CachedAnswer(
+                        answer=res.answer, finish_reason=res.finish_reason, model_version=self.model.version,
+                        created_ms=now_ms(), scope=p.scope, text=p.inp.text, request_id=p.req_id,
+                        vector=p.vector.tolist() if p.vector is not None else None,
+                    ))  # fmt: skip
+        await self._finish(done, batch_size=len(pend), inference_ms=seconds * 1000)
+
+    # ---- replies ---------------------------------------------------------------------------------
+    def _template(self, p: Pending) -> ModelOutput:
+        assert self.template_model is not None
+        out = self.template_model.template_answer(p.inp)
+        return out or ModelOutput("We are very busy right now; please try again shortly.", "template")
+
+    async def _finish(self, done: list[Any], *, batch_size: int, inference_ms: float | None = None) -> None:
+        """Send one reply per entry (in order), then ack each record once its reply is on the broker."""
+        by_stream: dict[int, tuple[faust.StreamT, list[EventT], list[Awaitable[Any]]]] = {}
+        for entry in done:
+            p, res, source, merged_into, sim = entry[:5]
+            version = entry[5] if len(entry) > 5 and entry[5] else self.model.version
+            fut = await self._reply(p, res, source, merged_into, sim, version, batch_size, inference_ms)
+            slot = by_stream.setdefault(id(p.stream), (p.stream, [], []))
+            slot[1].append(p.event)
+            slot[2].append(fut)
+        for stream, events, futs in by_stream.values():
+            self._ack_later(stream, events, futs)
+
+    async def _reply(
+        self, p: Pending, res: Any, source: str, merged_into: str | None, sim: float | None,
+        version: str, batch_size: int, inference_ms: float | None,
+    ) -> Awaitable[Any]:  # fmt: skip
+        w, req = p.work, p.work.request
+        now = now_ms()
+        timings = Timings(
+            queued_ms=max(0, now - w.arrival_ms - (inference_ms or 0)), inference_ms=inference_ms,
+            total_ms=max(0, now - w.created_at_ms), batch_size=batch_size or None,
+        )  # fmt: skip
+        if isinstance(res, ModelOutput):
+            served = {"model": "model", "cache": "cache", "merged": "merged", "template": "template"}[source]
+            reply = InferenceReply(
+                request_id=req.request_id, user_id=req.user_id, status="ok", answer=res.answer,
+                finish_reason=res.finish_reason,  # type: ignore[arg-type]
+                logprobs=res.logprobs if p.inp.logprobs else None, served_from=served,  # type: ignore[arg-type]
+                merged_into=merged_into, similarity=round(sim, 4) if sim is not None else None,
+                degradation_level=p.level, model_version=version, priority=w.priority, timings=timings,
+            )  # fmt: skip
+            return await self.rt.reply(reply, w.reply_to, w.created_at_ms)
+        code = getattr(res, "code", "internal")
+        return await self.rt.error_reply(
+            request_id=req.request_id, user_id=req.user_id, reply_to=w.reply_to, code=code,
+            message=getattr(res, "message", str(res)), priority=w.priority,
+            retry_after_ms=getattr(res, "retry_after_ms", None), created_at_ms=w.created_at_ms,
+            degradation_level=p.level,
+        )  # fmt: skip
+
+    def _ack_later(self, stream: faust.StreamT, events: list[EventT], futs: list[Awaitable[Any]]) -> None:
+        self.rt.app.loop.create_task(ack_after(stream, events, futs))
+
+
+def _guard_ok(a: str, b: str) -> bool:
+    from pipeline.dedup import guard_allows
+
+    return guard_allows(a, b)[0]
+
+
+def register(rt: Runtime, inf: Inference) -> None:
+    """Declare the four work-topic readers and the background loops on ``rt.app``."""
+    for priority in RANK:
+
+        def make(prio: str) -> Any:
+            async def reader(stream: faust.StreamT) -> None:
+                s = stream.noack()
+                async for event in s.events():
+                    try:
+                        await inf.admit(prio, s, event)
+                    except Exception as exc:
+                        log.exception("inference admit failed")
+                        fut = await rt.deadletter(event, "internal", f"internal error: {exc!r}")
+                        inf._ack_later(s, [event], [fut])
+
+            reader.__name__ = f"inference_{prio}"
+            return reader
+
+        rt.app.agent(rt.topic(rt.topics.work(priority)), name=f"surge.inference.{priority}")(make(priority))
+
+    @rt.app.task
+    async def start_inference() -> None:
+        await inf.start()
+
+    @rt.app.task
+    async def embed_loop() -> None:
+        await inf.embed_loop()
+
+    @rt.app.task
+    async def batch_loop() -> None:
+        await inf.batch_loop()

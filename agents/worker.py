@@ -1,0 +1,84 @@
+"""Assemble one worker process: the Faust app, its tables, agents for the role, and /metrics."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import faust
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from agents import inference as inference_agent
+from agents import intake as intake_agent
+from agents.runtime import Runtime
+from pipeline.app import create_app
+from pipeline.cache import AnswerCache
+from pipeline.metrics import GpuSampler, create_metrics
+from pipeline.records import now_ms
+from pipeline.settings import Settings
+
+log = logging.getLogger("surge.worker")
+
+
+def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
+    """The app with everything ``settings.role`` asks for, ready for ``faust.Worker``."""
+    app = create_app(settings)
+    rt = Runtime(settings, app, create_metrics())
+    answers = app.GlobalTable(
+        "answers", default=None, partitions=settings.partitions, use_partitioner=True,
+        schema=faust.Schema(key_serializer="json", value_serializer="json"),
+    )  # fmt: skip
+    cache = (
+        AnswerCache(
+            answers, ttl_s=settings.cache_ttl_s, max_entries=settings.cache_max_entries, clock_ms=now_ms
+        )
+        if settings.cache_enabled
+        else None
+    )
+    if settings.role in ("intake", "all"):
+        intake_agent.register(rt, cache)
+    if settings.role in ("inference", "all"):
+        from models.embedder import shared_embedder
+        from models.registry import build_faq, build_model
+
+        model = build_model(settings)
+        template = (
+            model if settings.model == "faq" else (build_faq(settings) if settings.degrade_enabled else None)
+        )
+        embedder = (
+            shared_embedder(settings.embedder_path)
+            if (settings.dedup_enabled or settings.cache_enabled)
+            else None
+        )
+        inf = inference_agent.Inference(rt, model, template, embedder, cache)
+        inference_agent.register(rt, inf)
+        rt.inference = inf  # type: ignore[attr-defined]
+
+        if cache is not None:
+
+            @app.timer(5.0)
+            async def sync_cache() -> None:
+                cache.sync()
+
+    gpu = GpuSampler(rt.metrics)
+    content_type = CONTENT_TYPE_LATEST.split(";")[0]
+
+    @app.page("/metrics")
+    async def metrics_page(web: faust.web.Web, request: faust.web.Request) -> faust.web.Response:
+        gpu.sample()
+        return web.bytes(generate_latest(rt.metrics.registry), content_type=content_type)
+
+    @app.page("/status")
+    async def status(web: faust.web.Web, request: faust.web.Request) -> faust.web.Response:
+        inf = getattr(rt, "inference", None)
+        body: dict[str, object] = {"role": settings.role, "assigned": len(app.consumer.assignment())}
+        if inf is not None:
+            body.update(inf.status())
+        return web.json(body)
+
+    @app.page("/healthz")
+    async def healthz(web: faust.web.Web, request: faust.web.Request) -> faust.web.Response:
+        return web.json({"ok": True, "worker": settings.worker_id or f"{socket.gethostname()}:{os.getpid()}"})
+
+    return app, rt

@@ -1,0 +1,37 @@
+"""Build the configured model backend from :class:`Settings`."""
+
+from __future__ import annotations
+
+from models.base import ModelBackend
+from pipeline.settings import Settings
+
+
+def build_model(settings: Settings) -> ModelBackend:
+    """The answer model named by ``settings.model`` (not loaded yet: the worker calls ``load``)."""
+    if settings.model == "faq":
+        return build_faq(settings)
+    if settings.model == "echo":
+        from models.echo import EchoModel
+
+        return EchoModel(delay_ms=settings.echo_delay_ms, per_item_ms=settings.echo_per_item_ms)
+    if settings.model == "hf":
+        from models.hf_causal import HFCausalLM
+
+        assert settings.model_path is not None
+        return HFCausalLM(
+            settings.model_path, device_map=settings.model_device_map, dtype=settings.model_dtype
+        )
+    from models.remote import RemoteOpenAIModel
+
+    assert settings.remote_base_url is not None
+    return RemoteOpenAIModel(
+        settings.remote_base_url, settings.remote_model, api_key=settings.remote_api_key,
+        timeout_s=settings.remote_timeout_s,
+    )  # fmt: skip
+
+
+def build_faq(settings: Settings) -> ModelBackend:
+    """The FAQ answerer: the default model, and the template answerer under degradation level 3."""
+    from models.faq import FAQAnswerer
+
+    return FAQAnswerer(confidence_floor=settings.faq_confidence_floor)

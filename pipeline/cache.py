@@ -1,0 +1,139 @@
+"""Answer cache policy: an exact layer and a semantic layer over any key-value store.
+
+The store is any ``MutableMapping[str, dict]`` — in a worker a Faust GlobalTable on RocksDB (so
+every worker sees every answer, and answers survive restarts through the changelog), in tests a
+dict. Entries expire after ``ttl_s``; beyond ``max_entries`` the least recently used are evicted.
+Recency is tracked in memory per worker (a read must not write to the changelog); creation time
+lives in the entry, so TTL holds across workers and restarts.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, MutableMapping
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from pipeline.dedup import SemanticIndex
+
+
+@dataclass(frozen=True, slots=True)
+class CachedAnswer:
+    answer: str
+    finish_reason: str
+    model_version: str
+    created_ms: float
+    scope: str
+    text: str
+    request_id: str
+    vector: list[float] | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> CachedAnswer:
+        return cls(**d)  # type: ignore[arg-type]
+
+
+class AnswerCache:
+    """Exact and semantic answer lookups with TTL and LRU eviction."""
+
+    def __init__(
+        self,
+        store: MutableMapping[str, dict[str, object]],
+        *,
+        ttl_s: float,
+        max_entries: int,
+        clock_ms: Callable[[], float],
+        index_capacity: int | None = None,
+    ) -> None:
+        self.store = store
+        self.ttl_ms = ttl_s * 1000
+        self.max_entries = max_entries
+        self.clock_ms = clock_ms
+        self._index_capacity = index_capacity or max_entries
+        self.index: SemanticIndex | None = None  # created at the first vector (its dim)
+        self._lru: OrderedDict[str, None] = OrderedDict()
+        self._indexed: set[str] = set()
+
+    def _fresh(self, entry: CachedAnswer, now: float) -> bool:
+        return now - entry.created_ms < self.ttl_ms
+
+    def get_exact(self, key: str) -> CachedAnswer | None:
+        """Called by intake (and inference) before forwarding: a fresh answer stored under ``key``."""
+        raw = self.store.get(key)
+        if raw is None:
+            return None
+        entry = CachedAnswer.from_dict(raw)
+        if not self._fresh(entry, self.clock_ms()):
+            self._drop(key, entry)
+            return None
+        self._touch(key)
+        return entry
+
+    def search(self, scope: str, vector: np.ndarray, threshold: float) -> tuple[CachedAnswer, float] | None:
+        """Called by inference for a request with no exact hit: the most similar fresh answer in ``scope``."""
+        if self.index is None:
+            return None
+        hit = self.index.search(scope, vector, threshold)
+        if hit is None:
+            return None
+        key, sim = hit
+        entry = self.get_exact(key)
+        if entry is None:
+            return None
+        return entry, sim
+
+    def put(self, key: str, entry: CachedAnswer) -> None:
+        """Called by inference after a model answer: store it and index its question's vector."""
+        self.store[key] = entry.to_dict()
+        self._index(key, entry)
+        self._touch(key)
+        self._evict()
+
+    def sync(self) -> int:
+        """Index entries other workers wrote (read from the shared store); returns how many were new."""
+        added = 0
+        now = self.clock_ms()
+        for key, raw in list(self.store.items()):
+            if key in self._indexed:
+                continue
+            entry = CachedAnswer.from_dict(raw)
+            if self._fresh(entry, now):
+                self._index(key, entry)
+                self._lru[key] = None
+                self._lru.move_to_end(key, last=False)  # unknown recency: evict these first
+                added += 1
+        return added
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def _index(self, key: str, entry: CachedAnswer) -> None:
+        if entry.vector is not None and key not in self._indexed:
+            if self.index is None:
+                self.index = SemanticIndex(dim=len(entry.vector), max_per_scope=self._index_capacity)
+            self.index.add(entry.scope, key, np.asarray(entry.vector, dtype=np.float32))
+            self._indexed.add(key)
+
+    def _touch(self, key: str) -> None:
+        self._lru[key] = None
+        self._lru.move_to_end(key)
+
+    def _drop(self, key: str, entry: CachedAnswer | None = None) -> None:
+        self._lru.pop(key, None)
+        if key in self._indexed:
+            self._indexed.discard(key)
+            scope = entry.scope if entry else None
+            if scope is not None and self.index is not None:
+                self.index.remove(scope, key)
+        if key in self.store:
+            del self.store[key]
+
+    def _evict(self) -> None:
+        while len(self._lru) > self.max_entries:
+            key, _ = self._lru.popitem(last=False)
+            raw = self.store.get(key)
+            self._drop(key, CachedAnswer.from_dict(raw) if raw is not None else None)

@@ -1,0 +1,247 @@
+"""The ``surge`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+
+from pipeline.exceptions import SurgeError
+
+
+def _settings(**overrides: object):
+    from pipeline.settings import Settings
+
+    return Settings.load(**{k: v for k, v in overrides.items() if v is not None})
+
+
+# ---- kafka --------------------------------------------------------------------------------------
+def cmd_kafka(args: argparse.Namespace) -> int:
+    from pipeline.broker import EmbeddedKafka, read_state, stop_pid
+
+    data_dir = Path(args.data_dir)
+    if args.action == "start":
+        state = read_state(data_dir)
+        if state is not None:
+            print(f"already running: pid {state.pid}, bootstrap {state.bootstrap}")
+            return 0
+        s = _settings()
+        k = EmbeddedKafka(data_dir, cache_dir=s.kafka_cache_dir, version=s.kafka_version, port=args.port,
+                          heap_mb=s.kafka_heap_mb, partitions=s.partitions)  # fmt: skip
+        state = k.start()
+        print(f"Kafka {s.kafka_version} running: pid {state.pid}, bootstrap {state.bootstrap}")
+        print(f"export SURGE_BROKER=kafka://{state.bootstrap}")
+        return 0
+    state = read_state(data_dir)
+    if args.action == "status":
+        print(f"running: pid {state.pid}, bootstrap {state.bootstrap}" if state else "not running")
+        return 0 if state else 1
+    if state is None:
+        print("not running")
+        return 0
+    stop_pid(state.pid)
+    (data_dir / "surge-broker.json").unlink(missing_ok=True)
+    print(f"stopped pid {state.pid}")
+    return 0
+
+
+# ---- worker -------------------------------------------------------------------------------------
+def cmd_worker(args: argparse.Namespace) -> int:
+    import faust
+
+    from agents.worker import build_worker_app
+    from pipeline.admin import ensure_topics
+
+    s = _settings(role=args.role, web_port=args.web_port)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    asyncio.run(ensure_topics(s))
+    app, rt = build_worker_app(s)
+
+    @app.task
+    async def announce_ready() -> None:
+        inf = getattr(rt, "inference", None)
+        if inf is not None:
+            await inf.ready.wait()
+        while not app.consumer.assignment():  # noqa: ASYNC110 - Faust offers no assignment event here
+            await asyncio.sleep(0.2)
+        print(
+            f"surge worker ready: role {s.role}, {len(app.consumer.assignment())} partitions assigned",
+            flush=True,
+        )
+
+    worker = faust.Worker(app, loglevel="WARNING", quiet=True, redirect_stdouts=False)
+    worker.execute_from_commandline()
+    return 0
+
+
+# ---- send / tail --------------------------------------------------------------------------------
+def cmd_send(args: argparse.Namespace) -> int:
+    import uuid
+
+    from pipeline.client import SurgeClient
+    from pipeline.topics import TopicNames
+
+    s = _settings()
+    t = TopicNames(s.topic_prefix)
+
+    async def main() -> int:
+        req = {
+            "request_id": args.request_id or uuid.uuid4().hex, "user_id": args.user, "tenant": args.tenant,
+            "tier": args.tier, "priority": args.priority, "prompt": args.prompt, "max_tokens": args.max_tokens,
+        }  # fmt: skip
+        async with SurgeClient(s.bootstrap_servers, requests_topic=t.requests, reply_topic=t.replies) as c:
+            reply = await c.request(req, timeout_s=args.timeout_s)
+        print(reply.model_dump_json(exclude_none=True, indent=2))
+        return 0 if reply.status == "ok" else 2
+
+    return asyncio.run(main())
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    from pipeline.client import SurgeClient
+    from pipeline.topics import TopicNames
+
+    s = _settings()
+    topic = args.topic or TopicNames(s.topic_prefix).replies
+
+    async def main() -> None:
+        def show(r: object) -> None:
+            print(r.model_dump_json(exclude_none=True), flush=True)  # type: ignore[attr-defined]
+
+        async with SurgeClient(
+            s.bootstrap_servers, reply_topic=topic, on_reply=show, from_beginning=args.from_beginning
+        ):
+            await asyncio.Event().wait()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+# ---- demo ---------------------------------------------------------------------------------------
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pipeline.demo import run_demo
+
+    summary = run_demo(n=args.n, rate_per_s=args.rate, data_dir=Path(args.data_dir), quiet=args.quiet)
+    if args.summary_json:
+        Path(args.summary_json).write_text(json.dumps(summary, indent=2))
+    return 0 if summary["answered"] == summary["sent"] else 1
+
+
+# ---- faq / dedup --------------------------------------------------------------------------------
+def cmd_faq(args: argparse.Namespace) -> int:
+    from models import faq_train
+
+    if args.action == "train":
+        report = faq_train.train(args.data)
+    else:
+        report = faq_train.evaluate(args.data)
+    print(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+def cmd_dedup(args: argparse.Namespace) -> int:
+    from pipeline.dedup_eval import run_dedup_eval
+
+    s = _settings()
+    thresholds = [float(t) for t in args.thresholds.split(",")] if args.thresholds else [s.semantic_threshold]
+    run_dedup_eval(args.pairs, thresholds, json_out=args.json, embedder_path=s.embedder_path)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pipeline.bench import run_bench
+
+    return run_bench(args.scenario, quick=args.quick, json_path=args.json, plot_path=args.plot)
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from pipeline.gateway import run_gateway
+
+    return run_gateway(_settings(gateway_port=args.port))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="surge", description="Kafka-native inference pipeline for traffic surges"
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    k = sub.add_parser("kafka", help="the embedded Apache Kafka broker")
+    k.add_argument("action", choices=["start", "stop", "status"])
+    k.add_argument("--data-dir", default=".surge-kafka", help="broker data dir (kept across restarts)")
+    k.add_argument("--port", type=int, default=None, help="listener port (default: a free one)")
+    k.set_defaults(fn=cmd_kafka)
+
+    w = sub.add_parser("worker", help="run a Faust worker (SURGE_* settings)")
+    w.add_argument("--role", choices=["intake", "inference", "all"], default=None)
+    w.add_argument("--web-port", type=int, default=None)
+    w.set_defaults(fn=cmd_worker)
+
+    s = sub.add_parser("send", help="send one request and print its reply")
+    s.add_argument("prompt")
+    s.add_argument("--user", default="cli-user")
+    s.add_argument("--tenant", default="default")
+    s.add_argument("--tier", default="standard", choices=["free", "standard", "premium"])
+    s.add_argument(
+        "--priority", default="interactive", choices=["realtime", "interactive", "batch", "offline"]
+    )
+    s.add_argument("--max-tokens", type=int, default=256)
+    s.add_argument("--request-id", default=None)
+    s.add_argument("--timeout-s", type=float, default=30.0)
+    s.set_defaults(fn=cmd_send)
+
+    t = sub.add_parser("tail", help="print replies as they arrive")
+    t.add_argument("--topic", default=None)
+    t.add_argument("--from-beginning", action="store_true")
+    t.set_defaults(fn=cmd_tail)
+
+    d = sub.add_parser("demo", help="embedded Kafka + a worker + a stream of sample questions")
+    d.add_argument("--n", type=int, default=200, help="questions to send")
+    d.add_argument("--rate", type=float, default=20.0, help="questions per second")
+    d.add_argument("--data-dir", default=".surge-demo", help="where the demo keeps broker and tables")
+    d.add_argument("--summary-json", default=None, help="write the summary here")
+    d.add_argument("--quiet", action="store_true", help="only the progress line and summary")
+    d.set_defaults(fn=cmd_demo)
+
+    f = sub.add_parser("faq", help="train or evaluate the FAQ answerer")
+    f.add_argument("action", choices=["train", "eval"])
+    f.add_argument("--data", required=True, help="CSV with text,category")
+    f.set_defaults(fn=cmd_faq)
+
+    dd = sub.add_parser("dedup", help="evaluate semantic dedup on sentence pairs")
+    dd.add_argument("action", choices=["eval"])
+    dd.add_argument("--pairs", required=True, help="CSV sentence1,sentence2,score (0-5)")
+    dd.add_argument("--thresholds", default=None, help="comma list; default: the configured threshold")
+    dd.add_argument("--json", default=None, help="write the result here")
+    dd.set_defaults(fn=cmd_dedup)
+
+    b = sub.add_parser("bench", help="benchmarks against baselines, on the embedded broker")
+    b.add_argument("scenario", choices=["batching", "merging", "priority", "overhead", "gateway"])
+    b.add_argument("--quick", action="store_true", help="a small run (what the tests use)")
+    b.add_argument("--json", default=None)
+    b.add_argument("--plot", default=None, help="PNG path (default beside --json or bench-<scenario>.png)")
+    b.set_defaults(fn=cmd_bench)
+
+    g = sub.add_parser("gateway", help="OpenAI-compatible HTTP gateway")
+    g.add_argument("--port", type=int, default=None)
+    g.set_defaults(fn=cmd_gateway)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except SurgeError as exc:
+        print(f"surge: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Every metric of DESIGN.md "Metrics", created in one factory that takes the registry.
+
+Tests pass their own :class:`CollectorRegistry`; a worker uses one per process and serves it at
+``/metrics``. prometheus-client appends ``_total`` to counter names in the exposition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS_S = (0.1, 0.5, 1.0, 2.0, 5.0)
+REQUEST_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+FILL_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+
+#: names as they appear in the exposition (what deploy/ and the benchmarks read)
+METRIC_NAMES = (
+    "model_inference_latency",
+    "gpu_utilization",
+    "requests_queue_depth",
+    "requests_in_queue_per_worker",
+    "surge_requests_total",
+    "surge_request_latency_seconds",
+    "surge_deadline_missed_total",
+    "surge_batch_size",
+    "surge_batch_fill_ratio",
+    "surge_cache_lookups_total",
+    "surge_merged_total",
+    "surge_degradation_level",
+    "surge_rate_limited_total",
+    "surge_deadletter_total",
+)
+
+
+@dataclass(frozen=True)
+class Metrics:
+    model_inference_latency: Histogram
+    gpu_utilization: Gauge
+    requests_queue_depth: Gauge
+    requests_in_queue_per_worker: Gauge
+    requests: Counter
+    request_latency: Histogram
+    deadline_missed: Counter
+    batch_size: Histogram
+    batch_fill_ratio: Histogram
+    cache_lookups: Counter
+    merged: Counter
+    degradation_level: Gauge
+    rate_limited: Counter
+    deadletter: Counter
+    registry: CollectorRegistry
+
+
+def create_metrics(registry: CollectorRegistry | None = None) -> Metrics:
+    """Create every surge metric in ``registry`` (a fresh one when None)."""
+    r = registry if registry is not None else CollectorRegistry()
+    return Metrics(
+        model_inference_latency=Histogram(
+            "model_inference_latency", "Seconds of one model call", ["model_version"],
+            buckets=LATENCY_BUCKETS_S, registry=r,
+        ),
+        gpu_utilization=Gauge("gpu_utilization", "GPU utilisation, percent", ["device_id"], registry=r),
+        requests_queue_depth=Gauge(
+            "requests_queue_depth", "Items waiting in the inference queue", ["priority"], registry=r
+        ),
+        requests_in_queue_per_worker=Gauge(
+            "requests_in_queue_per_worker", "Items waiting in this worker's queue (the HPA signal)", registry=r
+        ),
+        requests=Counter(
+            "surge_requests", "Replies sent", ["priority", "status", "served_from"], registry=r
+        ),
+        request_latency=Histogram(
+            "surge_request_latency_seconds", "Seconds from created_at to reply", ["priority"],
+            buckets=REQUEST_LATENCY_BUCKETS_S, registry=r,
+        ),
+        deadline_missed=Counter(
+            "surge_deadline_missed", "Requests that missed their deadline", ["priority"], registry=r
+        ),
+        batch_size=Histogram("surge_batch_size", "Items per model call", buckets=BATCH_SIZE_BUCKETS, registry=r),
+        batch_fill_ratio=Histogram(
+            "surge_batch_fill_ratio", "Batch size / batch limit at flush", buckets=FILL_BUCKETS, registry=r
+        ),
+        cache_lookups=Counter(
+            "surge_cache_lookups", "Answer cache lookups", ["layer", "result"], registry=r
+        ),
+        merged=Counter("surge_merged", "Requests answered by another request's model call", registry=r),
+        degradation_level=Gauge("surge_degradation_level", "Current degradation level 0-3", registry=r),
+        rate_limited=Counter("surge_rate_limited", "Requests refused by a token bucket", ["scope"], registry=r),
+        deadletter=Counter("surge_deadletter", "Dead-letter records written", ["reason"], registry=r),
+        registry=r,
+    )  # fmt: skip
+
+
+class GpuSampler:
+    """Reads GPU utilisation through NVML into ``gpu_utilization``; does nothing without a GPU."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.handles: list[object] = []
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception:
+            self.handles = []
+
+    def sample(self) -> None:
+        for i, h in enumerate(self.handles):
+            util = self._nvml.nvmlDeviceGetUtilizationRates(h)
+            self.metrics.gpu_utilization.labels(device_id=str(i)).set(util.gpu)
