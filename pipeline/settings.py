@@ -59,6 +59,7 @@ class Settings(BaseSettings):
     model: Literal["faq", "hf", "remote", "echo"] = Field("faq", description="answer model backend")
     model_path: str | None = Field(None, description="Hugging Face causal LM folder (model=hf)")
     model_dtype: str = Field("auto", description="dtype of the HF model: auto, float32, bfloat16, float16")
+    model_num_threads: int = Field(0, ge=0, description="torch CPU threads for the model; 0 = torch default")
     model_device_map: str | None = Field(None, description="HF device_map, e.g. auto")
     remote_base_url: str | None = Field(None, description="OpenAI-compatible endpoint (model=remote)")
     remote_model: str = Field("default", description="model name sent to the remote endpoint")
@@ -67,7 +68,7 @@ class Settings(BaseSettings):
     echo_delay_ms: float = Field(0.0, ge=0, description="echo model: time per batch, milliseconds")
     echo_per_item_ms: float = Field(0.0, ge=0, description="echo model: extra time per item, milliseconds")
     embedder_path: str | None = Field(None, description="sentence-transformers folder; default MiniLM-L6")
-    faq_confidence_floor: float = Field(0.35, ge=0, le=1, description="FAQ answers below this say 'not sure'")
+    faq_confidence_floor: float = Field(0.40, ge=0, le=1, description="FAQ answers below this say 'not sure'")
 
     # --- scheduling ------------------------------------------------------------------------------------
     deadline_realtime_ms: int = Field(200, gt=0, description="real-time deadline from created_at, ms")

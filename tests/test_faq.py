@@ -1,0 +1,143 @@
+"""The FAQ answerer, loaded from the committed weights with the real MiniLM embedder."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from models.base import ChatMessage, ModelInput
+from models.exceptions import ModelLoadError
+from models.faq import DATA_DIR, INTENTS_FILE, NOT_SURE_ANSWER, WEIGHTS_FILE, FAQAnswerer
+from models.faq_train import evaluate, read_rows, split_banking77
+
+BANKING77_CSV = Path(__file__).resolve().parents[2] / "shared" / "data" / "banking77" / "train.csv"
+
+
+def ask(text: str, logprobs: bool = False) -> ModelInput:
+    return ModelInput(messages=(ChatMessage("user", text),), logprobs=logprobs)
+
+
+@pytest.fixture(scope="module")
+def faq() -> FAQAnswerer:
+    answerer = FAQAnswerer()
+    answerer.load()
+    return answerer
+
+
+def test_intents_file_covers_every_label_with_own_examples(faq: FAQAnswerer) -> None:
+    entries = json.loads((DATA_DIR / INTENTS_FILE).read_text(encoding="utf-8"))
+    assert sorted(e["intent"] for e in entries) == sorted(faq.labels)
+    assert len(faq.labels) == 77
+    for e in entries:
+        assert 2 <= len(e["examples"]) <= 3, e["intent"]
+        assert 1 <= len(re.findall(r"[.!?](?:\s|$)", e["answer"])) <= 3, e["intent"]
+
+
+def test_version_is_derived_from_the_weights(faq: FAQAnswerer) -> None:
+    assert re.fullmatch(r"faq-[0-9a-f]{8}", faq.version)
+    assert FAQAnswerer().version != faq.version  # unloaded answerers carry no weights version
+
+
+@pytest.mark.parametrize(
+    ("question", "intent"),
+    [
+        ("Somebody grabbed my purse with my Surge card inside it", "lost_or_stolen_card"),
+        ("Three attempts with the wrong code and now my PIN won't work at all", "pin_blocked"),
+        ("The hole in the wall machine kept my card and didn't give it back", "card_swallowed"),
+        ("How old must someone be before they can get an account?", "age_limit"),
+        ("Can I pay with my phone using Google's wallet?", "apple_pay_or_google_pay"),
+        ("I'd like to close everything and leave the bank", "terminate_account"),
+        ("The same taxi ride shows up twice on my statement", "transaction_charged_twice"),
+    ],
+)
+def test_own_questions_map_to_the_right_intent(faq: FAQAnswerer, question: str, intent: str) -> None:
+    [(predicted, confidence)] = faq.classify([question])
+    assert predicted == intent, (predicted, confidence)
+    assert confidence >= faq.confidence_floor
+
+
+def test_infer_answers_a_batch_in_order_with_intent_and_logprob(faq: FAQAnswerer) -> None:
+    answers = {e["intent"]: e["answer"] for e in json.loads((DATA_DIR / INTENTS_FILE).read_text())}
+    batch = [ask("How do I put my new card on Apple Pay?", logprobs=True), ask("When will my card get here?")]
+    first, second = faq.infer(batch)
+    assert first.extra["intent"] == "apple_pay_or_google_pay"
+    assert first.answer == answers["apple_pay_or_google_pay"]
+    assert first.finish_reason == "stop"
+    assert first.logprobs == [pytest.approx(math.log(float(first.extra["confidence"])))]
+    assert second.extra["intent"] in {"card_arrival", "card_delivery_estimate"}
+    assert second.logprobs is None
+
+
+def test_below_the_floor_the_answerer_says_it_is_not_sure() -> None:
+    unsure = FAQAnswerer(embedder=None, confidence_floor=0.999)
+    unsure.load()
+    [out] = unsure.infer([ask("Which planet has the most moons?")])
+    assert out.extra["intent"] is None
+    assert float(out.extra["confidence"]) < 0.999
+    assert out.answer == NOT_SURE_ANSWER
+    assert "rephrase" in out.answer and "support" in out.answer
+
+
+def test_off_topic_and_chinese_questions_fall_below_the_default_floor(faq: FAQAnswerer) -> None:
+    results = faq.classify(["What's a good recipe for lemon cake?", "今天天气怎么样？"])
+    assert [intent for intent, _ in results] == [None, None], results
+
+
+def test_template_answer_is_the_same_answer_marked_template(faq: FAQAnswerer) -> None:
+    inp = ask("My card was stolen yesterday, what should I do?", logprobs=True)
+    [normal] = faq.infer([inp])
+    template = faq.template_answer(inp)
+    assert template.finish_reason == "template"
+    assert template.answer == normal.answer
+    assert template.extra["intent"] == normal.extra["intent"] == "lost_or_stolen_card"
+
+
+def test_weights_load_without_pickle() -> None:
+    with np.load(DATA_DIR / WEIGHTS_FILE, allow_pickle=False) as npz:
+        assert all(npz[name].dtype != object for name in npz.files)
+        assert npz["weight"].shape[1] == 77
+    total = sum(p.stat().st_size for p in DATA_DIR.iterdir())
+    assert total < 20 * 1024 * 1024
+
+
+def test_missing_weights_raise_a_load_error_naming_the_command(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="surge faq train"):
+        FAQAnswerer(data_dir=tmp_path).load()
+
+
+@pytest.mark.skipif(not BANKING77_CSV.is_file(), reason=f"banking77 CSV not present at {BANKING77_CSV}")
+def test_split_banking77_is_deterministic_stratified_and_disjoint() -> None:
+    train_a, held_a = split_banking77(BANKING77_CSV)
+    train_b, held_b = split_banking77(BANKING77_CSV)
+    assert (train_a, held_a) == (train_b, held_b)
+    all_rows = read_rows(BANKING77_CSV)
+    assert sorted(train_a + held_a) == sorted(all_rows)  # a partition: nothing lost, nothing repeated
+    assert not set(train_a) & set(held_a)
+    assert 0.14 < len(held_a) / len(all_rows) < 0.16
+    per_label = Counter(c for _, c in all_rows)
+    held_per_label = Counter(c for _, c in held_a)
+    assert set(held_per_label) == set(per_label)
+    assert all(abs(held_per_label[c] - 0.15 * n) <= 1 for c, n in per_label.items())
+    _, held_other = split_banking77(BANKING77_CSV, seed=78)
+    assert held_other != held_a
+
+
+def test_evaluate_reports_accuracy_on_a_csv(faq: FAQAnswerer, tmp_path: Path) -> None:
+    csv_path = tmp_path / "mine.csv"
+    csv_path.write_text(
+        "text,category\n"
+        "Where in the app can I change my home address?,edit_personal_details\n"
+        "Is my Surge card on the Visa network?,visa_or_mastercard\n"
+        "Where in the app can I change my home address?,age_limit\n",
+        encoding="utf-8",
+    )
+    report = evaluate(csv_path, faq)
+    assert report["n"] == 3
+    assert report["n_correct"] == 2
+    assert report["accuracy"] == pytest.approx(2 / 3, abs=1e-4)
