@@ -146,10 +146,10 @@ def cmd_faq(args: argparse.Namespace) -> int:
 
 
 def cmd_dedup(args: argparse.Namespace) -> int:
-    from pipeline.dedup_eval import run_dedup_eval
+    from pipeline.dedup_eval import parse_thresholds, run_dedup_eval
 
     s = _settings()
-    thresholds = [float(t) for t in args.thresholds.split(",")] if args.thresholds else [s.semantic_threshold]
+    thresholds = parse_thresholds(args.thresholds) if args.thresholds else [s.semantic_threshold]
     run_dedup_eval(args.pairs, thresholds, json_out=args.json, embedder_path=s.embedder_path)
     return 0
 
@@ -217,7 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     dd = sub.add_parser("dedup", help="evaluate semantic dedup on sentence pairs")
     dd.add_argument("action", choices=["eval"])
     dd.add_argument("--pairs", required=True, help="CSV sentence1,sentence2,score (0-5)")
-    dd.add_argument("--thresholds", default=None, help="comma list; default: the configured threshold")
+    dd.add_argument(
+        "--thresholds", default=None, help="0.8,0.9 or start:stop:step; default: the configured threshold"
+    )
     dd.add_argument("--json", default=None, help="write the result here")
     dd.set_defaults(fn=cmd_dedup)
 

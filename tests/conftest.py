@@ -23,6 +23,8 @@ from pipeline.procs import WorkerProcess
 from pipeline.settings import Settings
 from pipeline.topics import TopicNames
 
+#: deadlines long enough that a test about something else never sees deadline_exceeded
+RELAXED = {"deadline_interactive_ms": "60000", "deadline_batch_ms": "60000"}
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 

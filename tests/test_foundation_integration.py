@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 
 from pipeline.records import DeadLetter
-from tests.conftest import request
+from tests.conftest import RELAXED, request
 
 pytestmark = pytest.mark.integration
 
@@ -116,3 +116,37 @@ async def test_sigkill_mid_stream_loses_nothing(deployment) -> None:
     replies = await gather_replies(futs, 120)
     assert {r.request_id for r in replies} == {f"r-{i}" for i in range(300)}
     assert all(r.status == "ok" for r in replies)
+
+
+async def test_round_trip_with_the_faq_model(deployment) -> None:
+    d = deployment(model="faq", **RELAXED)
+    d.worker()
+    c = await d.client()
+    reply = await c.request(
+        request("faq-1", "carol", "My card still hasn't shown up in the post, where is it?"), 60
+    )
+    assert reply.status == "ok" and reply.served_from == "model"
+    assert reply.model_version and reply.model_version.startswith("faq-")
+    assert "card" in (reply.answer or "").lower()
+    unsure = await c.request(request("faq-2", "carol", "What is the airspeed velocity of a swallow?"), 60)
+    assert unsure.status == "ok" and "not sure" in (unsure.answer or "").lower()
+
+
+async def test_round_trip_with_a_tiny_causal_lm(deployment, tmp_path) -> None:
+    from models.tiny import build_tiny_causal_lm
+
+    path = build_tiny_causal_lm(tmp_path / "tiny-lm")
+    d = deployment(model="hf", model_path=str(path), model_num_threads="1", **RELAXED)
+    d.worker()
+    c = await d.client()
+    futs = [
+        await c.submit(request(i, "dave", f"tell me about account {i}", max_tokens=5, logprobs=True))
+        for i in range(4)
+    ]
+    await c.producer.flush()
+    replies = await gather_replies(futs, 120)
+    for r in replies:
+        assert r.status == "ok", r.error
+        assert r.served_from == "model" and r.finish_reason in ("stop", "length")
+        assert r.logprobs is not None and 0 < len(r.logprobs) <= 5 and all(lp <= 0 for lp in r.logprobs)
+        assert r.model_version and "@" in r.model_version
