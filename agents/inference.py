@@ -369,7 +369,7 @@ class Inference:
             request_id=req.request_id, user_id=req.user_id, reply_to=w.reply_to, code=code,
             message=getattr(res, "message", str(res)), priority=w.priority,
             retry_after_ms=getattr(res, "retry_after_ms", None), created_at_ms=w.created_at_ms,
-            degradation_level=p.level,
+            degradation_level=p.level, timings=timings,
         )  # fmt: skip
 
     def _ack_later(self, stream: faust.StreamT, events: list[EventT], futs: list[Awaitable[Any]]) -> None:

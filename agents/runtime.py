@@ -20,7 +20,7 @@ from faust.streams import _current_event
 from faust.types import EventT
 
 from pipeline.metrics import Metrics
-from pipeline.records import DeadLetter, ErrorInfo, InferenceReply, encode, now_ms
+from pipeline.records import DeadLetter, ErrorInfo, InferenceReply, Timings, encode, now_ms
 from pipeline.settings import Settings
 from pipeline.topics import TopicNames
 
@@ -78,6 +78,7 @@ class Runtime:
         retry_after_ms: int | None = None,
         created_at_ms: int | None = None,
         degradation_level: int = 0,
+        timings: Timings | None = None,
     ) -> Awaitable[Any]:
         reply = InferenceReply(
             request_id=request_id,
@@ -86,6 +87,7 @@ class Runtime:
             error=ErrorInfo(code=code, message=message, retry_after_ms=retry_after_ms),  # type: ignore[arg-type]
             priority=priority,  # type: ignore[arg-type]
             degradation_level=degradation_level,
+            timings=timings or Timings(),
         )
         return await self.reply(reply, reply_to, created_at_ms)
 

@@ -67,6 +67,9 @@ class Settings(BaseSettings):
     remote_timeout_s: float = Field(30.0, gt=0, description="timeout of one remote call, seconds")
     echo_delay_ms: float = Field(0.0, ge=0, description="echo model: time per batch, milliseconds")
     echo_per_item_ms: float = Field(0.0, ge=0, description="echo model: extra time per item, milliseconds")
+    echo_poison: str | None = Field(
+        None, description="echo model: a batch holding this text fails (failure-isolation drills)"
+    )
     embedder_path: str | None = Field(None, description="sentence-transformers folder; default MiniLM-L6")
     faq_confidence_floor: float = Field(0.40, ge=0, le=1, description="FAQ answers below this say 'not sure'")
 

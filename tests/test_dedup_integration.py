@@ -1,0 +1,108 @@
+"""Semantic dedup and the answer cache on the real broker and the real RocksDB tables."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.conftest import RELAXED, request
+
+pytestmark = pytest.mark.integration
+
+#: 10 questions, each asked 10 ways: light edits a person makes when asking again
+QUESTIONS = [
+    "How do I reset my online banking password",
+    "Where can I see my card's expiry date",
+    "What is the fee for an international transfer",
+    "How long does it take to open a savings account",
+    "Can I order a replacement card for my partner",
+    "Why is there a hold on my deposit",
+    "How do I set up a standing order",
+    "What are your branch opening hours on Saturday",
+    "How can I download last month's statement",
+    "Is contactless payment available on my debit card",
+]
+EDITS = [
+    lambda q: q,
+    lambda q: q + "?",
+    lambda q: q.lower(),
+    lambda q: q.upper() + "?",
+    lambda q: "Hi, " + q.lower() + "?",
+    lambda q: q + ", please?",
+    lambda q: "  " + q.replace(" ", "  ") + " ",
+    lambda q: "Hello! " + q + "?",
+    lambda q: q + ". Thanks!",
+    lambda q: "Please tell me: " + q.lower(),
+]
+
+
+def model_items(metrics: str) -> float:
+    """Items the worker sent to the model (sum of all batch sizes)."""
+    for line in metrics.splitlines():
+        if line.startswith("surge_batch_size_sum"):
+            return float(line.split()[-1])
+    raise AssertionError("surge_batch_size_sum not exported")
+
+
+async def test_100_paraphrases_of_10_questions_cost_about_10_model_calls(deployment) -> None:
+    d = deployment(model="echo", echo_delay_ms="100", rate_limit_enabled="false", **RELAXED)
+    w = d.worker()
+    c = await d.client()
+    futs = []
+    for j, edit in enumerate(EDITS):
+        for i, q in enumerate(QUESTIONS):
+            futs.append(await c.submit(request(f"{i}-{j}", f"user-{(i * 7 + j) % 13}", edit(q))))
+    await c.producer.flush()
+    replies = await asyncio.wait_for(asyncio.gather(*futs), 90)
+    assert sorted(r.request_id for r in replies) == sorted(f"r-{i}-{j}" for i in range(10) for j in range(10))
+    assert all(r.status == "ok" for r in replies)
+    calls = model_items(w.metrics())
+    assert 10 <= calls <= 14, f"{calls} model items for 10 distinct questions"
+    for r in replies:
+        i = int(r.request_id.split("-")[1])
+        assert QUESTIONS[i].lower() in (r.answer or "").lower().replace("  ", " "), (r.request_id, r.answer)
+        if r.served_from == "merged":
+            assert r.merged_into and r.merged_into.split("-")[1] == str(i) and r.similarity is not None
+    served = {r.served_from for r in replies}
+    assert "merged" in served
+
+
+async def test_opposite_requests_are_never_merged(deployment) -> None:
+    d = deployment(model="echo", echo_delay_ms="100", rate_limit_enabled="false", **RELAXED)
+    w = d.worker()
+    c = await d.client()
+    pairs = [
+        ("Please increase my card limit", "Please decrease my card limit"),
+        ("Lock my debit card now", "Unlock my debit card now"),
+        ("I did receive the refund", "I did not receive the refund"),
+        ("Send 50 EUR to my landlord", "Send 500 EUR to my landlord"),
+    ]
+    futs = []
+    for k, (a, b) in enumerate(pairs):
+        futs.append(await c.submit(request(f"a{k}", "ann", a)))
+        futs.append(await c.submit(request(f"b{k}", "ben", b)))
+    await c.producer.flush()
+    replies = await asyncio.wait_for(asyncio.gather(*futs), 60)
+    assert all(r.served_from == "model" for r in replies), [(r.request_id, r.served_from) for r in replies]
+    assert model_items(w.metrics()) == 8
+
+
+async def test_cache_survives_a_worker_restart_and_never_crosses_tenants(deployment) -> None:
+    d = deployment(model="echo", rate_limit_enabled="false", **RELAXED)
+    w = d.worker()
+    c = await d.client()
+    first = await c.request(request("c1", "u1", "How do I order a new chequebook?", tenant="bank-a"), 60)
+    assert first.served_from == "model"
+    again = await c.request(request("c2", "u2", "how do I order a new chequebook", tenant="bank-a"), 60)
+    assert again.served_from == "cache" and again.answer == first.answer
+    w.stop()
+    d.worker()
+    exact = await c.request(request("c3", "u3", "How do I order a new chequebook?", tenant="bank-a"), 60)
+    assert exact.served_from == "cache", "the exact layer must survive a restart"
+    semantic = await c.request(request("c4", "u4", "Hi, how can I order a new chequebook please?", tenant="bank-a"), 60)
+    assert semantic.served_from == "cache" and semantic.similarity is not None and semantic.similarity >= 0.92
+    other = await c.request(request("c5", "u5", "How do I order a new chequebook?", tenant="bank-b"), 60)
+    assert other.served_from == "model", "tenant bank-b must never see bank-a's cached answer"
+    private = await c.request(request("c6", "u6", "How do I order a new chequebook?", tenant="bank-a", cache=False), 60)
+    assert private.served_from == "model", "cache: false never reads the shared cache"

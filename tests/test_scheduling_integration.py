@@ -1,0 +1,81 @@
+"""Priority, deadlines, rate limits and failure isolation on the real broker."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pipeline.records import now_ms
+from tests.conftest import RELAXED, request
+
+pytestmark = pytest.mark.integration
+FAST = {"cache_enabled": "false", "dedup_enabled": "false", "rate_limit_enabled": "false"}
+
+
+async def test_realtime_sent_after_a_batch_burst_is_answered_first(deployment) -> None:
+    d = deployment(
+        model="echo", echo_delay_ms="60", max_batch_size="8", base_batch_size="4", degrade_enabled="false",
+        deadline_realtime_ms="2000", deadline_interactive_ms="60000", deadline_batch_ms="120000", **FAST,
+    )  # fmt: skip
+    d.worker()
+    c = await d.client()
+    batch = [await c.submit(request(f"b{i}", f"bulk-{i % 10}", priority="batch")) for i in range(320)]
+    await c.producer.flush()
+    while sum(r.priority == "batch" for r in c.replies) < 8:  # noqa: ASYNC110 - the backlog is being worked
+        await asyncio.sleep(0.02)
+    rt = [await c.submit(request(f"rt{i}", f"live-{i}", priority="realtime", deadline_ms=5000)) for i in range(10)]
+    await c.producer.flush()
+    await asyncio.wait_for(asyncio.gather(*batch, *rt), 120)
+    order = [r.request_id for r in c.replies]
+    last_rt = max(order.index(f"r-rt{i}") for i in range(10))
+    batch_after = sum(1 for rid in order[last_rt:] if rid.startswith("r-b"))
+    assert batch_after >= 160, f"only {batch_after} batch replies came after the last real-time one"
+    rt_errors = [r.error for r in c.replies if r.request_id.startswith("r-rt") and r.status != "ok"]
+    assert not rt_errors, rt_errors
+
+
+async def test_expired_requests_get_deadline_exceeded(deployment) -> None:
+    d = deployment(model="echo", **FAST)
+    d.worker()
+    c = await d.client()
+    late = await c.request(request("late", "u1", "hello", priority="interactive", created_at=now_ms() - 10_000), 60)
+    assert late.status == "error" and late.error.code == "deadline_exceeded"
+    assert "500 ms" in late.error.message
+    fine = await c.request(request("fine", "u1", "hello again", priority="interactive", deadline_ms=400), 60)
+    assert fine.status == "ok"
+
+
+async def test_a_rate_limited_user_gets_errors_while_others_are_served(deployment) -> None:
+    d = deployment(
+        model="echo", user_rate_per_s_standard="0.5", user_burst_standard="3", cache_enabled="false", **RELAXED
+    )
+    d.worker()
+    c = await d.client()
+    noisy = [await c.submit(request(f"n{i}", "noisy", f"question {i}")) for i in range(12)]
+    quiet = [await c.submit(request(f"q{i}", f"quiet-{i}", f"question {i}")) for i in range(3)]
+    await c.producer.flush()
+    noisy_r = await asyncio.wait_for(asyncio.gather(*noisy), 60)
+    quiet_r = await asyncio.wait_for(asyncio.gather(*quiet), 60)
+    limited = [r for r in noisy_r if r.status == "error"]
+    assert len([r for r in noisy_r if r.status == "ok"]) == 3
+    assert len(limited) == 9 and all(r.error.code == "rate_limited" for r in limited)
+    assert all(r.error.retry_after_ms and 0 < r.error.retry_after_ms <= 2000 for r in limited)
+    assert "0.5 requests/s" in limited[0].error.message
+    assert all(r.status == "ok" for r in quiet_r)
+    assert 'surge_rate_limited_total{scope="user"} 9.0' in d.workers[0].metrics()
+
+
+async def test_a_poisoned_request_fails_alone(deployment) -> None:
+    d = deployment(model="echo", echo_poison="POISON", echo_delay_ms="50", max_wait_ms="200", **FAST, **RELAXED)
+    d.worker()
+    c = await d.client()
+    futs = [await c.submit(request(i, f"u{i}", f"ordinary question {i}")) for i in range(15)]
+    futs.insert(7, await c.submit(request("bad", "mallory", "this one carries POISON")))
+    await c.producer.flush()
+    replies = await asyncio.wait_for(asyncio.gather(*futs), 60)
+    bad = [r for r in replies if r.request_id == "r-bad"][0]
+    assert bad.status == "error" and bad.error.code == "model_error"
+    good = [r for r in replies if r.request_id != "r-bad"]
+    assert len(good) == 15 and all(r.status == "ok" for r in good)
+    assert any((r.timings.batch_size or 0) > 1 for r in good), "the poisoned request shared a batch"
