@@ -17,9 +17,20 @@ from pipeline.topics import TopicNames
 log = logging.getLogger("surge.admin")
 
 
+#: Faust tables of a worker; their changelog topics are created up front (compacted) so that the
+#: first table write never races the topic's creation (Faust's PartitionsMismatch)
+TABLES = ("ratelimit", "answers")
+
+
+def changelog_topics(settings: Settings) -> list[str]:
+    return [f"{settings.app_id}-{table}-changelog" for table in TABLES]
+
+
 async def ensure_topics(settings: Settings, extra: Iterable[str] = (), timeout_s: float = 30.0) -> list[str]:
-    """Create every surge topic (and ``extra`` ones) that does not exist yet; returns the created names."""
+    """Create every surge topic, the tables' changelogs and ``extra`` ones that do not exist yet."""
     names = [*TopicNames(settings.topic_prefix).all(), *extra]
+    compacted = set(changelog_topics(settings))
+    names += sorted(compacted)
     admin = AIOKafkaAdminClient(
         bootstrap_servers=settings.bootstrap_servers, request_timeout_ms=int(timeout_s * 1000)
     )
@@ -33,7 +44,15 @@ async def ensure_topics(settings: Settings, extra: Iterable[str] = (), timeout_s
         if todo:
             with contextlib.suppress(TopicAlreadyExistsError):
                 await admin.create_topics(
-                    [NewTopic(n, settings.partitions, settings.replication_factor) for n in todo]
+                    [
+                        NewTopic(
+                            n,
+                            settings.partitions,
+                            settings.replication_factor,
+                            topic_configs={"cleanup.policy": "compact"} if n in compacted else {},
+                        )
+                        for n in todo
+                    ]  # fmt: skip
                 )
             log.info("created topics %s", todo)
         return todo

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pipeline.settings import PRIORITIES
+
 LATENCY_BUCKETS_S = (0.1, 0.5, 1.0, 2.0, 5.0)
 REQUEST_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -56,7 +58,7 @@ class Metrics:
 def create_metrics(registry: CollectorRegistry | None = None) -> Metrics:
     """Create every surge metric in ``registry`` (a fresh one when None)."""
     r = registry if registry is not None else CollectorRegistry()
-    return Metrics(
+    m = Metrics(
         model_inference_latency=Histogram(
             "model_inference_latency", "Seconds of one model call", ["model_version"],
             buckets=LATENCY_BUCKETS_S, registry=r,
@@ -91,6 +93,17 @@ def create_metrics(registry: CollectorRegistry | None = None) -> Metrics:
         deadletter=Counter("surge_deadletter", "Dead-letter records written", ["reason"], registry=r),
         registry=r,
     )  # fmt: skip
+    # children for the fixed label values, so that rates and alerts see zeros instead of nothing
+    for priority in PRIORITIES:
+        m.deadline_missed.labels(priority=priority)
+        m.requests_queue_depth.labels(priority=priority).set(0)
+        m.request_latency.labels(priority=priority)
+    for scope in ("user", "tenant"):
+        m.rate_limited.labels(scope=scope)
+    for layer in ("exact", "semantic"):
+        for result in ("hit", "miss"):
+            m.cache_lookups.labels(layer=layer, result=result)
+    return m
 
 
 class GpuSampler:
