@@ -52,7 +52,7 @@ async def ensure_topics(settings: Settings, extra: Iterable[str] = (), timeout_s
                             topic_configs={"cleanup.policy": "compact"} if n in compacted else {},
                         )
                         for n in todo
-                    ]  # fmt: skip
+                    ]
                 )
             log.info("created topics %s", todo)
         return todo

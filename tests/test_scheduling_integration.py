@@ -24,7 +24,10 @@ async def test_realtime_sent_after_a_batch_burst_is_answered_first(deployment) -
     await c.producer.flush()
     while sum(r.priority == "batch" for r in c.replies) < 8:  # noqa: ASYNC110 - the backlog is being worked
         await asyncio.sleep(0.02)
-    rt = [await c.submit(request(f"rt{i}", f"live-{i}", priority="realtime", deadline_ms=5000)) for i in range(10)]
+    rt = [
+        await c.submit(request(f"rt{i}", f"live-{i}", priority="realtime", deadline_ms=5000))
+        for i in range(10)
+    ]
     await c.producer.flush()
     await asyncio.wait_for(asyncio.gather(*batch, *rt), 120)
     order = [r.request_id for r in c.replies]
@@ -39,7 +42,9 @@ async def test_expired_requests_get_deadline_exceeded(deployment) -> None:
     d = deployment(model="echo", **FAST)
     d.worker()
     c = await d.client()
-    late = await c.request(request("late", "u1", "hello", priority="interactive", created_at=now_ms() - 10_000), 60)
+    late = await c.request(
+        request("late", "u1", "hello", priority="interactive", created_at=now_ms() - 10_000), 60
+    )
     assert late.status == "error" and late.error.code == "deadline_exceeded"
     assert "500 ms" in late.error.message
     fine = await c.request(request("fine", "u1", "hello again", priority="interactive", deadline_ms=400), 60)
@@ -48,7 +53,11 @@ async def test_expired_requests_get_deadline_exceeded(deployment) -> None:
 
 async def test_a_rate_limited_user_gets_errors_while_others_are_served(deployment) -> None:
     d = deployment(
-        model="echo", user_rate_per_s_standard="0.5", user_burst_standard="3", cache_enabled="false", **RELAXED
+        model="echo",
+        user_rate_per_s_standard="0.5",
+        user_burst_standard="3",
+        cache_enabled="false",
+        **RELAXED,
     )
     d.worker()
     c = await d.client()
@@ -67,14 +76,16 @@ async def test_a_rate_limited_user_gets_errors_while_others_are_served(deploymen
 
 
 async def test_a_poisoned_request_fails_alone(deployment) -> None:
-    d = deployment(model="echo", echo_poison="POISON", echo_delay_ms="50", max_wait_ms="200", **FAST, **RELAXED)
+    d = deployment(
+        model="echo", echo_poison="POISON", echo_delay_ms="50", max_wait_ms="200", **FAST, **RELAXED
+    )
     d.worker()
     c = await d.client()
     futs = [await c.submit(request(i, f"u{i}", f"ordinary question {i}")) for i in range(15)]
     futs.insert(7, await c.submit(request("bad", "mallory", "this one carries POISON")))
     await c.producer.flush()
     replies = await asyncio.wait_for(asyncio.gather(*futs), 60)
-    bad = [r for r in replies if r.request_id == "r-bad"][0]
+    bad = next(r for r in replies if r.request_id == "r-bad")
     assert bad.status == "error" and bad.error.code == "model_error"
     good = [r for r in replies if r.request_id != "r-bad"]
     assert len(good) == 15 and all(r.status == "ok" for r in good)
