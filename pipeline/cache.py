@@ -53,7 +53,8 @@ class AnswerCache:
         self.ttl_ms = ttl_s * 1000
         self.max_entries = max_entries
         self.clock_ms = clock_ms
-        self._index_capacity = index_capacity or max_entries
+        # one spare slot: only this cache's LRU decides what leaves, never the index on its own
+        self._index_capacity = index_capacity or max_entries + 1
         self.index: SemanticIndex | None = None  # created at the first vector (its dim)
         self._lru: OrderedDict[str, None] = OrderedDict()
         self._indexed: set[str] = set()
@@ -73,18 +74,47 @@ class AnswerCache:
         self._touch(key)
         return entry
 
-    def search(self, scope: str, vector: np.ndarray, threshold: float) -> tuple[CachedAnswer, float] | None:
-        """Called by inference for a request with no exact hit: the most similar fresh answer in ``scope``."""
+    def search(
+        self,
+        scope: str,
+        vector: np.ndarray,
+        threshold: float,
+        accept: Callable[[CachedAnswer], bool] | None = None,
+    ) -> tuple[CachedAnswer, float] | None:
+        """Called by inference for a request with no exact hit: the most similar fresh answer in
+        ``scope`` that ``accept`` (the lexical guard against the cached question) allows.
+
+        Expired entries and entries another worker deleted are dropped from the index on the way,
+        so they never shadow a usable match.
+        """
         if self.index is None:
             return None
-        hit = self.index.search(scope, vector, threshold)
+        found: dict[str, CachedAnswer] = {}
+        stale: list[str] = []
+
+        def usable(key: str) -> bool:
+            entry = self.get_exact(key)
+            if entry is None:
+                stale.append(key)
+                return False
+            if accept is not None and not accept(entry):
+                return False
+            found[key] = entry
+            return True
+
+        hit = self.index.search(scope, vector, threshold, accept=usable)
+        for key in stale:  # after the search: removing moves rows of the matrix being read
+            self._forget(scope, key)
         if hit is None:
             return None
         key, sim = hit
-        entry = self.get_exact(key)
-        if entry is None:
-            return None
-        return entry, sim
+        return found[key], sim
+
+    def _forget(self, scope: str, key: str) -> None:
+        if key in self._indexed and self.index is not None:
+            self._indexed.discard(key)
+            self.index.remove(scope, key)
+        self._lru.pop(key, None)
 
     def put(self, key: str, entry: CachedAnswer) -> None:
         """Called by inference after a model answer: store it and index its question's vector."""
@@ -98,13 +128,15 @@ class AnswerCache:
         added = 0
         now = self.clock_ms()
         for key, raw in list(self.store.items()):
-            if key in self._indexed:
+            known = key in self._lru
+            if key in self._indexed or (known and raw.get("vector") is None):
                 continue
             entry = CachedAnswer.from_dict(raw)
             if self._fresh(entry, now):
                 self._index(key, entry)
-                self._lru[key] = None
-                self._lru.move_to_end(key, last=False)  # unknown recency: evict these first
+                if not known:
+                    self._lru[key] = None
+                    self._lru.move_to_end(key, last=False)  # unknown recency: evict these first
                 added += 1
         return added
 

@@ -385,7 +385,12 @@ class SemanticIndex:
         if len(rows) >= self.max_per_scope:
             evicted = next(iter(rows))
             self.remove(scope, evicted)
-            matrix = self._matrix[scope]
+            # removing the last vector drops the scope's structures: take them anew
+            rows = self._rows.setdefault(scope, OrderedDict())
+            keys = self._keys.setdefault(scope, [])
+            matrix = self._matrix.setdefault(
+                scope, np.zeros((min(64, self.max_per_scope), self.dim), dtype=np.float32)
+            )
         n = len(keys)
         if n == matrix.shape[0]:
             grown = np.zeros((min(2 * n, self.max_per_scope), self.dim), dtype=np.float32)
@@ -429,7 +434,7 @@ class SemanticIndex:
         if not rows:
             return None
         v = self._check(vector)
-        keys = self._keys[scope]
+        keys = list(self._keys[scope])  # a snapshot: ``accept`` may remove entries
         sims = self._matrix[scope][: len(keys)] @ v
         candidates = np.flatnonzero(sims >= threshold)
         if candidates.size == 0:
@@ -437,6 +442,7 @@ class SemanticIndex:
         for j in candidates[np.argsort(-sims[candidates], kind="stable")]:
             key = keys[int(j)]
             if accept is None or accept(key):
-                rows.move_to_end(key)
+                if key in rows:
+                    rows.move_to_end(key)
                 return key, float(sims[j])
         return None

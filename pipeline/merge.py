@@ -67,7 +67,13 @@ class MergeRegistry:
         return best
 
     def open(self, leader_id: str, scope: str, text: str, vector: np.ndarray | None, rank: int) -> Leader:
-        """Called when a request becomes a leader (queued for a model call)."""
+        """Called when a request becomes a leader (queued for a model call).
+
+        A request_id already open (a redelivered duplicate) keeps its first leader.
+        """
+        existing = self._leaders.get(leader_id)
+        if existing is not None:
+            return existing
         leader = Leader(leader_id, scope, normalize(text), text, vector, rank)
         self._leaders[leader_id] = leader
         self._by_scope.setdefault(scope, []).append(leader_id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import time
 from typing import Annotated, Any, Literal
 
@@ -19,6 +20,7 @@ from pipeline.exceptions import InvalidRequestError
 Priority = Literal["realtime", "interactive", "batch", "offline"]
 Tier = Literal["free", "standard", "premium"]
 Id = Annotated[str, Field(min_length=1, max_length=128)]
+_TOPIC_RE = re.compile(r"[A-Za-z0-9._-]+")
 
 
 def now_ms() -> int:
@@ -207,6 +209,10 @@ def decode_request(
         raise InvalidRequestError(
             f"record is not valid JSON: {exc.msg} at line {exc.lineno} col {exc.colno}"
         ) from exc
+    except RecursionError as exc:
+        raise InvalidRequestError("record is nested too deeply to decode") from exc
+    except ValueError as exc:  # e.g. an integer past Python's digit limit
+        raise InvalidRequestError(f"record is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise InvalidRequestError(f"record must be a JSON object, got {type(data).__name__}")
     try:
@@ -214,7 +220,12 @@ def decode_request(
     except ValidationError as exc:
         raise InvalidRequestError(f"invalid request: {_describe(exc)}") from exc
     for m in req.chat():
-        size = len(m.content.encode("utf-8"))
+        try:
+            size = len(m.content.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            raise InvalidRequestError(
+                f"content is not valid Unicode: {exc.reason} at character {exc.start}"
+            ) from exc
         if size > max_content_bytes:
             raise InvalidRequestError(f"content is {size} bytes; the limit is {max_content_bytes} bytes")
     if key is not None and key.decode("utf-8", "replace") != req.user_id:
@@ -231,18 +242,14 @@ def salvage_ids(raw: bytes | None) -> tuple[str, str, str | None] | None:
         return None
     try:
         data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         return None
     if not isinstance(data, dict):
         return None
     rid, uid, reply_to = data.get("request_id"), data.get("user_id"), data.get("reply_to")
     if not (isinstance(rid, str) and isinstance(uid, str) and 0 < len(rid) <= 128 and 0 < len(uid) <= 128):
         return None
-    if not (
-        isinstance(reply_to, str)
-        and 0 < len(reply_to) <= 249
-        and reply_to.replace(".", "").replace("_", "").replace("-", "").isalnum()
-    ):
+    if not (isinstance(reply_to, str) and len(reply_to) <= 249 and _TOPIC_RE.fullmatch(reply_to)):
         reply_to = None
     return rid, uid, reply_to
 

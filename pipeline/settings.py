@@ -20,7 +20,10 @@ TIERS = ("free", "standard", "premium")
 
 
 class Settings(BaseSettings):
-    """All knobs of a surge process. Environment: ``SURGE_<FIELD>`` (case-insensitive)."""
+    """All knobs of a surge process. Environment: ``SURGE_<FIELD>`` (case-insensitive).
+
+    Build it with :meth:`load`, which turns validation failures into :class:`SettingsError`.
+    """
 
     model_config = SettingsConfigDict(env_prefix="SURGE_", frozen=True, extra="ignore")
 
@@ -109,6 +112,18 @@ class Settings(BaseSettings):
 
     # --- degradation -------------------------------------------------------------------------------------
     degrade_enabled: bool = Field(True, description="run the overload degradation controller")
+    degrade_up_queue_depth: tuple[float, float, float] = Field(
+        (64.0, 128.0, 256.0), description="queue depth per worker at which levels 1, 2, 3 start (JSON list)"
+    )
+    degrade_down_queue_depth: tuple[float, float, float] = Field(
+        (32.0, 96.0, 192.0), description="queue depth per worker under which levels 1, 2, 3 may step down"
+    )
+    degrade_up_miss_rate: tuple[float, float, float] = Field(
+        (0.02, 0.10, 0.25), description="deadline-miss rate (0-1, last 10 s) at which levels 1, 2, 3 start"
+    )
+    degrade_down_miss_rate: tuple[float, float, float] = Field(
+        (0.01, 0.05, 0.15), description="deadline-miss rate under which levels 1, 2, 3 may step down"
+    )
     degrade_cooldown_ms: float = Field(5000.0, ge=0, description="low pressure needed before stepping down")
     degrade_max_tokens_cap: int = Field(256, ge=1, description="max_tokens cap from level 2")
 
@@ -129,6 +144,17 @@ class Settings(BaseSettings):
                 f"deadline_interactive_ms={self.deadline_interactive_ms}, "
                 f"deadline_batch_ms={self.deadline_batch_ms}"
             )
+        if self.deadline_offline_ms and self.deadline_offline_ms < self.deadline_batch_ms:
+            raise ValueError(
+                f"deadline_offline_ms={self.deadline_offline_ms} must be 0 (none) or at least "
+                f"deadline_batch_ms={self.deadline_batch_ms}"
+            )
+        for name in ("queue_depth", "miss_rate"):
+            up, down = getattr(self, f"degrade_up_{name}"), getattr(self, f"degrade_down_{name}")
+            if any(d >= u for u, d in zip(up, down, strict=True)):
+                raise ValueError(
+                    f"degrade_down_{name}={list(down)} must be below degrade_up_{name}={list(up)}"
+                )
         if self.model == "hf" and not self.model_path:
             raise ValueError(f"model={self.model!r} needs model_path (SURGE_MODEL_PATH), got None")
         if self.model == "remote" and not self.remote_base_url:

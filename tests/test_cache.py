@@ -1,0 +1,263 @@
+"""Unit tests of pipeline.cache.AnswerCache over a plain dict (the store a GlobalTable stands in for)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.cache import AnswerCache, CachedAnswer
+
+SCOPE_A = "scope-a"
+SCOPE_B = "scope-b"
+
+
+class Clock:
+    """A settable millisecond clock."""
+
+    def __init__(self, now_ms: float = 1_000_000.0) -> None:
+        self.now_ms = now_ms
+
+    def __call__(self) -> float:
+        return self.now_ms
+
+    def advance(self, ms: float) -> None:
+        self.now_ms += ms
+
+
+def unit(*xs: float) -> np.ndarray:
+    v = np.asarray(xs, dtype=np.float32)
+    return v / np.linalg.norm(v)
+
+
+E1, E2, E3, E4 = (unit(*row) for row in np.eye(4))
+
+
+def answer(
+    key: str, *, clock: Clock, scope: str = SCOPE_A, vector: np.ndarray | None = None, text: str = ""
+) -> CachedAnswer:
+    return CachedAnswer(
+        answer=f"answer {key}",
+        finish_reason="stop",
+        model_version="m1",
+        created_ms=clock(),
+        scope=scope,
+        text=text or f"question {key}",
+        request_id=f"req-{key}",
+        vector=vector.tolist() if vector is not None else None,
+    )
+
+
+def make(
+    ttl_s: float = 60.0, max_entries: int = 100, store: dict | None = None
+) -> tuple[AnswerCache, dict, Clock]:
+    clock = Clock()
+    store = {} if store is None else store
+    return AnswerCache(store, ttl_s=ttl_s, max_entries=max_entries, clock_ms=clock), store, clock
+
+
+# ---- exact layer and TTL --------------------------------------------------------------------------
+def test_put_then_get_exact_returns_the_entry() -> None:
+    cache, store, clock = make()
+    entry = answer("k1", clock=clock, vector=E1)
+    cache.put("k1", entry)
+    assert cache.get_exact("k1") == entry
+    assert store["k1"] == entry.to_dict()
+    assert cache.get_exact("missing") is None
+    assert CachedAnswer.from_dict(entry.to_dict()) == entry
+
+
+def test_entries_expire_after_ttl_and_are_removed() -> None:
+    cache, store, clock = make(ttl_s=10.0)
+    cache.put("k1", answer("k1", clock=clock, vector=E1))
+    clock.advance(9_999)
+    assert cache.get_exact("k1") is not None
+    clock.advance(1)  # exactly ttl old: expired
+    assert cache.get_exact("k1") is None
+    assert "k1" not in store
+    assert len(cache) == 0
+    # and it is gone from the semantic index too
+    assert cache.index is not None and (SCOPE_A, "k1") not in cache.index
+    assert cache.search(SCOPE_A, E1, 0.5) is None
+
+
+def test_ttl_counts_from_the_entry_not_from_the_last_read() -> None:
+    cache, _, clock = make(ttl_s=10.0)
+    cache.put("k1", answer("k1", clock=clock))
+    for _ in range(3):
+        clock.advance(3_000)
+        assert cache.get_exact("k1") is not None
+    clock.advance(1_000)  # 10 s after creation
+    assert cache.get_exact("k1") is None
+
+
+# ---- LRU ------------------------------------------------------------------------------------------
+def test_lru_evicts_the_oldest_beyond_max_entries() -> None:
+    cache, store, clock = make(max_entries=3)
+    for k in ["a", "b", "c", "d", "e"]:
+        cache.put(k, answer(k, clock=clock))
+        assert len(cache) <= 3 and len(store) <= 3
+    assert sorted(store) == ["c", "d", "e"]
+    assert cache.get_exact("a") is None and cache.get_exact("b") is None
+
+
+def test_get_exact_touches_recency() -> None:
+    cache, store, clock = make(max_entries=3)
+    for k in ["a", "b", "c"]:
+        cache.put(k, answer(k, clock=clock))
+    assert cache.get_exact("a") is not None  # a becomes the most recent; b is now the oldest
+    cache.put("d", answer("d", clock=clock))
+    assert sorted(store) == ["a", "c", "d"]
+    cache.put("e", answer("e", clock=clock))
+    assert sorted(store) == ["a", "d", "e"]
+
+
+def test_semantic_hit_touches_recency() -> None:
+    cache, store, clock = make(max_entries=2)
+    cache.put("a", answer("a", clock=clock, vector=E1))
+    cache.put("b", answer("b", clock=clock, vector=E2))
+    assert cache.search(SCOPE_A, E1, 0.9) is not None
+    cache.put("c", answer("c", clock=clock, vector=E3))
+    assert sorted(store) == ["a", "c"]
+
+
+def test_evicted_entries_leave_the_semantic_index() -> None:
+    cache, _, clock = make(max_entries=2)
+    cache.put("a", answer("a", clock=clock, vector=E1))
+    cache.put("b", answer("b", clock=clock, vector=E2))
+    cache.put("c", answer("c", clock=clock, scope=SCOPE_B, vector=E3))
+    assert cache.search(SCOPE_A, E1, 0.5) is None
+    assert cache.index is not None and len(cache.index) == 2
+    assert (SCOPE_A, "a") not in cache.index
+
+
+def test_a_cache_of_one_entry_replaces_it() -> None:
+    cache, store, clock = make(max_entries=1)
+    cache.put("a", answer("a", clock=clock, vector=E1))
+    cache.put("b", answer("b", clock=clock, vector=E2))  # evicts a, in the store and the index
+    assert sorted(store) == ["b"]
+    hit = cache.search(SCOPE_A, E2, 0.9)
+    assert hit is not None and hit[0].request_id == "req-b"
+    assert cache.search(SCOPE_A, E1, 0.9) is None
+
+
+# ---- semantic layer -------------------------------------------------------------------------------
+def test_search_returns_the_best_match_above_the_threshold() -> None:
+    cache, _, clock = make()
+    near = unit(1.0, 0.2, 0.0, 0.0)
+    nearer = unit(1.0, 0.05, 0.0, 0.0)
+    cache.put("near", answer("near", clock=clock, vector=near))
+    cache.put("nearer", answer("nearer", clock=clock, vector=nearer))
+    cache.put("far", answer("far", clock=clock, vector=E2))
+    hit = cache.search(SCOPE_A, E1, 0.9)
+    assert hit is not None
+    entry, sim = hit
+    assert entry.request_id == "req-nearer"
+    assert sim == pytest.approx(float(nearer @ E1), abs=1e-5)
+    assert cache.search(SCOPE_A, E1, 0.9999) is None  # nothing that close
+    assert cache.search(SCOPE_A, E4, 0.5) is None
+
+
+def test_search_is_scoped() -> None:
+    cache, _, clock = make()
+    cache.put("in-b", answer("in-b", clock=clock, scope=SCOPE_B, vector=E1))
+    assert cache.search(SCOPE_A, E1, 0.5) is None
+    cache.put("in-a", answer("in-a", clock=clock, scope=SCOPE_A, vector=unit(1.0, 0.3, 0.0, 0.0)))
+    hit = cache.search(SCOPE_A, E1, 0.5)
+    assert hit is not None and hit[0].request_id == "req-in-a" and hit[1] < 0.99
+    hit_b = cache.search(SCOPE_B, E1, 0.5)
+    assert hit_b is not None and hit_b[0].request_id == "req-in-b" and hit_b[1] == pytest.approx(1.0)
+
+
+def test_search_on_an_empty_cache_and_vectorless_entries() -> None:
+    cache, _, clock = make()
+    assert cache.search(SCOPE_A, E1, 0.1) is None
+    cache.put("plain", answer("plain", clock=clock))  # not embeddable: exact layer only
+    assert cache.get_exact("plain") is not None
+    assert cache.search(SCOPE_A, E1, 0.0) is None
+
+
+def test_search_skips_an_expired_best_match_for_a_fresh_one() -> None:
+    cache, _, clock = make(ttl_s=10.0)
+    cache.put("old", answer("old", clock=clock, vector=E1))
+    clock.advance(5_000)
+    cache.put("new", answer("new", clock=clock, vector=unit(1.0, 0.2, 0.0, 0.0)))
+    clock.advance(6_000)  # old has expired, new has not
+    hit = cache.search(SCOPE_A, E1, 0.9)
+    assert hit is not None and hit[0].request_id == "req-new"
+
+
+def test_search_ignores_an_entry_another_worker_deleted() -> None:
+    cache, store, clock = make()
+    cache.put("best", answer("best", clock=clock, vector=E1))
+    cache.put("good", answer("good", clock=clock, vector=unit(1.0, 0.2, 0.0, 0.0)))
+    del store["best"]  # evicted by another worker: the shared table no longer holds it
+    for _ in range(2):
+        hit = cache.search(SCOPE_A, E1, 0.9)
+        assert hit is not None and hit[0].request_id == "req-good"
+
+
+# ---- sync: entries written by other workers -------------------------------------------------------
+def test_sync_indexes_entries_other_workers_wrote() -> None:
+    shared: dict = {}
+    mine, _, clock = make(store=shared)
+    other_clock = Clock(clock())
+    other = AnswerCache(shared, ttl_s=60.0, max_entries=100, clock_ms=other_clock)
+    other.put("theirs", answer("theirs", clock=other_clock, vector=E2))
+    # written straight into the shared dict, as a changelog update would appear
+    shared["raw"] = answer("raw", clock=clock, vector=E3).to_dict()
+
+    assert mine.search(SCOPE_A, E2, 0.9) is None  # not indexed here yet
+    assert mine.get_exact("theirs") is not None  # but the exact layer reads the store directly
+    assert mine.sync() == 2
+    hit = mine.search(SCOPE_A, E2, 0.9)
+    assert hit is not None and hit[0].request_id == "req-theirs"
+    hit = mine.search(SCOPE_A, E3, 0.9)
+    assert hit is not None and hit[0].request_id == "req-raw"
+    assert mine.sync() == 0  # nothing new the second time
+
+
+def test_sync_skips_expired_entries() -> None:
+    cache, store, clock = make(ttl_s=10.0)
+    store["stale"] = answer("stale", clock=clock, vector=E1).to_dict()
+    clock.advance(10_000)
+    store["fresh"] = answer("fresh", clock=clock, vector=E2).to_dict()
+    assert cache.sync() == 1
+    assert cache.search(SCOPE_A, E1, 0.9) is None
+    assert cache.search(SCOPE_A, E2, 0.9) is not None
+
+
+def test_synced_entries_are_evicted_before_ones_this_worker_used() -> None:
+    cache, store, clock = make(max_entries=2)
+    cache.put("mine", answer("mine", clock=clock, vector=E1))
+    store["theirs"] = answer("theirs", clock=clock, vector=E2).to_dict()
+    assert cache.sync() == 1
+    cache.put("next", answer("next", clock=clock, vector=E3))
+    assert sorted(store) == ["mine", "next"]
+
+
+def test_sync_counts_a_vectorless_entry_once() -> None:
+    cache, store, clock = make()
+    store["zh"] = answer("zh", clock=clock, text="怎么给卡充值").to_dict()  # not embeddable: no vector
+    assert cache.sync() == 1
+    assert cache.sync() == 0
+
+
+def test_sync_keeps_the_recency_of_a_vectorless_entry_this_worker_used() -> None:
+    cache, store, clock = make(max_entries=2)
+    cache.put("zh", answer("zh", clock=clock, text="怎么给卡充值"))  # no vector
+    cache.put("en", answer("en", clock=clock, vector=E1))
+    assert cache.get_exact("zh") is not None  # zh is now the most recently used
+    cache.sync()  # the periodic timer: nothing new in the store
+    cache.put("next", answer("next", clock=clock, vector=E2))
+    assert sorted(store) == ["next", "zh"]  # en was least recently used
+
+
+def test_an_entry_kept_by_the_lru_stays_searchable() -> None:
+    cache, store, clock = make(max_entries=2)
+    cache.put("a", answer("a", clock=clock, vector=E1))
+    cache.put("b", answer("b", clock=clock, vector=E2))
+    assert cache.get_exact("a") is not None  # an exact hit: b is now least recently used
+    cache.put("c", answer("c", clock=clock, vector=E3))
+    assert sorted(store) == ["a", "c"]
+    hit = cache.search(SCOPE_A, E1, 0.9)  # a is still cached, so it must still be found
+    assert hit is not None and hit[0].request_id == "req-a"

@@ -1,0 +1,169 @@
+"""Unit tests of pipeline.cli: the argument parser, and two commands that need no broker."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline import cli
+from pipeline.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(list(argv))
+
+
+@pytest.mark.parametrize("action", ["start", "stop", "status"])
+def test_kafka_actions(action: str) -> None:
+    args = parse("kafka", action, "--data-dir", "/tmp/k", "--port", "19092")
+    assert (args.command, args.action, args.data_dir, args.port) == ("kafka", action, "/tmp/k", 19092)
+    assert args.fn is cli.cmd_kafka
+    default = parse("kafka", action)
+    assert default.data_dir == ".surge-kafka" and default.port is None
+
+
+@pytest.mark.parametrize("role", ["intake", "inference", "all"])
+def test_worker_role(role: str) -> None:
+    args = parse("worker", "--role", role, "--web-port", "6070")
+    assert (args.role, args.web_port, args.fn) == (role, 6070, cli.cmd_worker)
+    assert parse("worker").role is None  # the setting (SURGE_ROLE) decides
+
+
+def test_send_flags() -> None:
+    args = parse(
+        "send", "how do I top up my card", "--user", "u7", "--tenant", "acme", "--tier", "premium",
+        "--priority", "realtime", "--max-tokens", "64", "--request-id", "r-1", "--timeout-s", "2.5",
+    )  # fmt: skip
+    assert args.prompt == "how do I top up my card"
+    assert (args.user, args.tenant, args.tier, args.priority) == ("u7", "acme", "premium", "realtime")
+    assert (args.max_tokens, args.request_id, args.timeout_s) == (64, "r-1", 2.5)
+    assert args.fn is cli.cmd_send
+    default = parse("send", "hi")
+    assert (default.tier, default.priority, default.max_tokens) == ("standard", "interactive", 256)
+
+
+def test_tail_flags() -> None:
+    args = parse("tail", "--topic", "my.replies", "--from-beginning")
+    assert (args.topic, args.from_beginning, args.fn) == ("my.replies", True, cli.cmd_tail)
+    assert parse("tail").from_beginning is False
+
+
+def test_demo_flags() -> None:
+    args = parse("demo", "--n", "50", "--rate", "12.5", "--summary-json", "out.json", "--quiet")
+    assert (args.n, args.rate, args.summary_json, args.quiet) == (50, 12.5, "out.json", True)
+    assert args.fn is cli.cmd_demo
+    default = parse("demo")
+    assert (default.n, default.rate, default.summary_json) == (200, 20.0, None)
+
+
+@pytest.mark.parametrize("action", ["train", "eval"])
+def test_faq_actions(action: str) -> None:
+    args = parse("faq", action, "--data", "train.csv")
+    assert (args.action, args.data, args.fn) == (action, "train.csv", cli.cmd_faq)
+
+
+def test_faq_needs_data() -> None:
+    with pytest.raises(SystemExit):
+        parse("faq", "train")
+
+
+def test_dedup_eval_flags() -> None:
+    args = parse("dedup", "eval", "--pairs", "sts.csv", "--thresholds", "0.8:0.95:0.01", "--json", "d.json")
+    assert (args.action, args.pairs, args.thresholds, args.json) == (
+        "eval",
+        "sts.csv",
+        "0.8:0.95:0.01",
+        "d.json",
+    )
+    assert args.fn is cli.cmd_dedup
+    assert parse("dedup", "eval", "--pairs", "p.csv").thresholds is None
+
+
+@pytest.mark.parametrize("scenario", ["batching", "merging", "priority", "overhead", "gateway"])
+def test_bench_scenarios(scenario: str) -> None:
+    args = parse("bench", scenario, "--quick", "--json", "b.json", "--plot", "b.png")
+    assert (args.scenario, args.quick, args.json, args.plot) == (scenario, True, "b.json", "b.png")
+    assert args.fn is cli.cmd_bench
+    assert parse("bench", scenario).quick is False
+
+
+def test_gateway_port() -> None:
+    args = parse("gateway", "--port", "8080")
+    assert (args.port, args.fn) == (8080, cli.cmd_gateway)
+    assert parse("gateway").port is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["launch"],
+        ["kafka", "restart"],
+        ["kafka"],
+        ["worker", "--role", "gpu"],
+        ["send", "hi", "--priority", "urgent"],
+        ["send", "hi", "--tier", "gold"],
+        ["send", "hi", "--max-tokens", "many"],
+        ["send"],
+        ["faq", "test", "--data", "x.csv"],
+        ["dedup", "train", "--pairs", "p.csv"],
+        ["dedup", "eval"],
+        ["bench", "latency"],
+        ["bench"],
+        ["demo", "--n", "lots"],
+        ["gateway", "--port", "http"],
+        ["kafka", "status", "--bogus"],
+    ],
+)
+def test_rejects_unknown_choices_and_bad_values(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse(*argv)
+    assert info.value.code == 2
+    assert "usage: surge" in capsys.readouterr().err
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SURGE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_help_runs_in_a_subprocess() -> None:
+    proc = _run("--help")
+    assert proc.returncode == 0, proc.stderr
+    for command in ["kafka", "worker", "send", "tail", "demo", "faq", "dedup", "bench", "gateway"]:
+        assert command in proc.stdout
+
+
+def test_kafka_status_on_an_empty_data_dir_says_not_running(tmp_path: Path) -> None:
+    proc = _run("kafka", "status", "--data-dir", str(tmp_path))
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout.strip() == "not running"
+    assert list(tmp_path.iterdir()) == []  # a status check writes nothing
+
+
+def test_kafka_stop_when_not_running_exits_0(tmp_path: Path) -> None:
+    assert cli.main(["kafka", "stop", "--data-dir", str(tmp_path)]) == 0
+
+
+def test_settings_error_exits_2_with_a_message(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SURGE_BASE_BATCH_SIZE", "64")
+    monkeypatch.setenv("SURGE_MAX_BATCH_SIZE", "8")
+    # send reads the settings before it touches a broker
+    assert cli.main(["send", "hi", "--timeout-s", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "SettingsError" in err and "base_batch_size=64" in err and "max_batch_size=8" in err

@@ -1,0 +1,166 @@
+"""Unit tests of pipeline.settings: SURGE_* environment, frozen object, combination checks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from pipeline.exceptions import SettingsError, SurgeError
+from pipeline.settings import PRIORITIES, Settings
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts from the defaults, whatever SURGE_* the shell exported."""
+    for name in list(os.environ):
+        if name.upper().startswith("SURGE_"):
+            monkeypatch.delenv(name)
+
+
+def test_defaults_load_and_are_consistent() -> None:
+    s = Settings.load()
+    assert s.broker == "kafka://127.0.0.1:9092"
+    assert s.topic_prefix == "surge."
+    assert s.partitions == 8
+    assert s.max_record_bytes == 1 << 20
+    assert s.max_content_bytes == 32 << 10
+    assert s.base_batch_size <= s.max_batch_size
+    assert s.model == "faq"
+
+
+def test_environment_overrides_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SURGE_MAX_BATCH_SIZE", "64")
+    monkeypatch.setenv("SURGE_MAX_WAIT_MS", "2.5")
+    monkeypatch.setenv("SURGE_SEMANTIC_THRESHOLD", "0.9")
+    monkeypatch.setenv("SURGE_DEDUP_ENABLED", "false")
+    monkeypatch.setenv("SURGE_TOPIC_PREFIX", "t1.")
+    monkeypatch.setenv("SURGE_DATA_DIR", "/tmp/surge-x")
+    monkeypatch.setenv("surge_partitions", "3")  # case-insensitive
+    s = Settings.load()
+    assert s.max_batch_size == 64
+    assert s.max_wait_ms == 2.5
+    assert s.semantic_threshold == 0.9
+    assert s.dedup_enabled is False
+    assert s.topic_prefix == "t1."
+    assert s.data_dir == Path("/tmp/surge-x")
+    assert s.partitions == 3
+
+
+def test_overrides_beat_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SURGE_ROLE", "intake")
+    assert Settings.load().role == "intake"
+    assert Settings.load(role="inference").role == "inference"
+
+
+def test_invalid_env_value_raises_settings_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SURGE_PARTITIONS", "zero")
+    with pytest.raises(SettingsError, match="partitions"):
+        Settings.load()
+    monkeypatch.setenv("SURGE_PARTITIONS", "4")
+    monkeypatch.setenv("SURGE_ROLE", "everything")
+    with pytest.raises(SettingsError, match="role"):
+        Settings.load()
+
+
+def test_settings_error_is_a_surge_error() -> None:
+    with pytest.raises(SurgeError):
+        Settings.load(semantic_threshold=1.5)
+
+
+def test_settings_are_frozen() -> None:
+    s = Settings.load()
+    with pytest.raises(ValidationError, match="frozen"):
+        s.max_batch_size = 3  # type: ignore[misc]
+    assert s.max_batch_size == 32
+
+
+# ---- invalid combinations: the message names both values ----------------------------------------
+def test_base_batch_size_above_max_batch_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SURGE_BASE_BATCH_SIZE", "40")
+    with pytest.raises(SettingsError) as info:
+        Settings.load(max_batch_size=16)
+    assert "base_batch_size=40" in str(info.value) and "max_batch_size=16" in str(info.value)
+    assert Settings.load(base_batch_size=16, max_batch_size=16).base_batch_size == 16
+
+
+@pytest.mark.parametrize(
+    ("realtime", "interactive", "batch", "named"),
+    [
+        (600, 500, 5000, ("deadline_realtime_ms=600", "deadline_interactive_ms=500")),
+        (200, 6000, 5000, ("deadline_interactive_ms=6000", "deadline_batch_ms=5000")),
+    ],
+)
+def test_deadlines_must_not_shrink_with_priority(
+    realtime: int, interactive: int, batch: int, named: tuple[str, str]
+) -> None:
+    with pytest.raises(SettingsError) as info:
+        Settings.load(
+            deadline_realtime_ms=realtime, deadline_interactive_ms=interactive, deadline_batch_ms=batch
+        )
+    for part in named:
+        assert part in str(info.value)
+
+
+def test_equal_deadlines_are_allowed() -> None:
+    s = Settings.load(deadline_realtime_ms=300, deadline_interactive_ms=300, deadline_batch_ms=300)
+    assert [s.deadline_ms(p) for p in PRIORITIES[:3]] == [300, 300, 300]
+
+
+def test_offline_deadline_shorter_than_batch_is_rejected() -> None:
+    # offline is the least urgent class: a (non-zero) offline deadline shorter than the batch one
+    # shrinks with priority just as interactive < realtime would
+    with pytest.raises(SettingsError) as info:
+        Settings.load(deadline_batch_ms=5000, deadline_offline_ms=100)
+    assert "deadline_offline_ms=100" in str(info.value) and "deadline_batch_ms=5000" in str(info.value)
+
+
+def test_model_hf_needs_model_path() -> None:
+    with pytest.raises(SettingsError) as info:
+        Settings.load(model="hf")
+    assert "model='hf'" in str(info.value) and "model_path" in str(info.value)
+    assert Settings.load(model="hf", model_path="/models/tiny").model_path == "/models/tiny"
+
+
+def test_model_remote_needs_remote_base_url() -> None:
+    with pytest.raises(SettingsError) as info:
+        Settings.load(model="remote")
+    assert "model='remote'" in str(info.value) and "remote_base_url" in str(info.value)
+    s = Settings.load(model="remote", remote_base_url="http://127.0.0.1:8001/v1")
+    assert s.remote_base_url == "http://127.0.0.1:8001/v1"
+
+
+# ---- derived values -------------------------------------------------------------------------------
+def test_deadline_ms_per_class_and_none_for_zero_offline() -> None:
+    s = Settings.load()
+    assert s.deadline_ms("realtime") == s.deadline_realtime_ms == 200
+    assert s.deadline_ms("interactive") == 500
+    assert s.deadline_ms("batch") == 5000
+    assert s.deadline_offline_ms == 0 and s.deadline_ms("offline") is None
+    assert Settings.load(deadline_offline_ms=60_000).deadline_ms("offline") == 60_000
+
+
+def test_api_key_tenants(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings.load().api_key_tenants() == {}
+    monkeypatch.setenv("SURGE_API_KEYS", "k1:acme, k2:globex ,k3,, k4:")
+    assert Settings.load().api_key_tenants() == {
+        "k1": "acme",
+        "k2": "globex",
+        "k3": "default",
+        "k4": "default",
+    }
+
+
+def test_bootstrap_servers_strip_the_scheme(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SURGE_BROKER", "kafka://a:1,kafka://b:2")
+    assert Settings.load().bootstrap_servers == "a:1,b:2"
+    assert Settings.load(broker="h1:9092").bootstrap_servers == "h1:9092"
+    assert Settings.load().bootstrap_servers == "a:1,b:2"  # cached per object, not per class
+
+
+def test_every_field_is_documented() -> None:
+    undocumented = [name for name, f in Settings.model_fields.items() if not (f.description or "").strip()]
+    assert undocumented == []
+    assert len(Settings.model_fields) > 40
