@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import faust
@@ -28,7 +28,7 @@ from models.embedder import Embedder
 from models.exceptions import ModelError
 from pipeline.batcher import AsyncBatcher, BatchObserver
 from pipeline.cache import AnswerCache, CachedAnswer
-from pipeline.dedup import exact_key, is_embeddable, normalize, scope_key
+from pipeline.dedup import exact_key, guard_allows, is_embeddable, normalize, scope_key
 from pipeline.degrade import DegradationController, DegradeConfig, MissRateWindow, plan
 from pipeline.exceptions import DeadlineExceededError, OverloadedError, SurgeError
 from pipeline.isolation import RetryPolicy, run_isolated
@@ -104,7 +104,14 @@ class Inference:
         self.batcher = AsyncBatcher(self.scheduler, _Observer(self))
         self.merges = MergeRegistry(s.semantic_threshold)
         self.controller = DegradationController(
-            DegradeConfig(cooldown_ms=s.degrade_cooldown_ms, max_tokens_cap=s.degrade_max_tokens_cap)
+            DegradeConfig(
+                up_queue_depth=s.degrade_up_queue_depth,
+                down_queue_depth=s.degrade_down_queue_depth,
+                up_miss_rate=s.degrade_up_miss_rate,
+                down_miss_rate=s.degrade_down_miss_rate,
+                cooldown_ms=s.degrade_cooldown_ms,
+                max_tokens_cap=s.degrade_max_tokens_cap,
+            )
         )
         self.misses = MissRateWindow()
         self.model_pool = ThreadPoolExecutor(1, thread_name_prefix="surge-model")
@@ -220,9 +227,12 @@ class Inference:
             it.cache_key = exact_key(normalize(it.inp.text), it.scope)
             hit = self.cache.get_exact(it.cache_key)
             if hit is None and it.vector is not None:
-                found = self.cache.search(it.scope, it.vector, s.semantic_threshold)
-                if found is not None and not _guard_ok(found[0].text, it.inp.text):
-                    found = None
+                found = self.cache.search(
+                    it.scope,
+                    it.vector,
+                    s.semantic_threshold,
+                    accept=lambda e: guard_allows(e.text, it.inp.text)[0],
+                )
             else:
                 found = (hit, 1.0) if hit is not None else None
             m.cache_lookups.labels(layer="semantic", result="hit" if found else "miss").inc()
@@ -288,8 +298,49 @@ class Inference:
         level = self.controller.observe(self.scheduler.depth(), self.misses.miss_rate(now), now)
         self.rt.metrics.degradation_level.set(level)
 
+    def _degrade_queued(self, items: list[QueuedItem]) -> tuple[list[QueuedItem], list[Any]]:
+        """Apply the current degradation level to popped items (they may have queued at a lower one).
+
+        Returns the items still to run and the template answers (with their followers) to send.
+        """
+        s = self.rt.settings
+        level = self.controller.level if s.degrade_enabled else 0
+        if level == 0:
+            return items, []
+        keep, done = [], []
+        for q in items:
+            it: Pending = q.payload
+            req = it.work.request
+            p = plan(
+                level,
+                it.work.priority,
+                it.work.tier,
+                req.max_tokens,
+                req.logprobs,
+                max_tokens_cap=s.degrade_max_tokens_cap,
+            )
+            if p.level_applied <= it.level:
+                keep.append(q)
+                continue
+            it.level = p.level_applied
+            if p.use_template and self.template_model is not None:
+                out = self._template(it)
+                done.append((it, out, "template", None, None, None))
+                for f, _ in self.merges.close(it.req_id):
+                    f.level = p.level_applied
+                    done.append((f, out, "template", None, None, None))
+                continue
+            it.inp = replace(it.inp, max_tokens=p.max_tokens, logprobs=p.logprobs)
+            keep.append(q)
+        return keep, done
+
     async def _run(self, items: list[QueuedItem], limit: int) -> None:
         loop = asyncio.get_running_loop()
+        items, templated = self._degrade_queued(items)
+        if templated:
+            await self._finish(templated, batch_size=0)
+        if not items:
+            return
         pend: list[Pending] = [q.payload for q in items]
         now = now_ms()
         for q in items:
@@ -374,12 +425,6 @@ class Inference:
 
     def _ack_later(self, stream: faust.StreamT, events: list[EventT], futs: list[Awaitable[Any]]) -> None:
         self.rt.app.loop.create_task(ack_after(stream, events, futs))
-
-
-def _guard_ok(a: str, b: str) -> bool:
-    from pipeline.dedup import guard_allows
-
-    return guard_allows(a, b)[0]
 
 
 def register(rt: Runtime, inf: Inference) -> None:

@@ -90,3 +90,41 @@ async def test_a_poisoned_request_fails_alone(deployment) -> None:
     good = [r for r in replies if r.request_id != "r-bad"]
     assert len(good) == 15 and all(r.status == "ok" for r in good)
     assert any((r.timings.batch_size or 0) > 1 for r in good), "the poisoned request shared a batch"
+
+
+async def test_overload_degrades_low_classes_to_templates_but_never_realtime(deployment) -> None:
+    d = deployment(
+        model="faq", max_batch_size="4", base_batch_size="2", degrade_up_queue_depth="[2,4,6]",
+        degrade_down_queue_depth="[1,3,5]", degrade_cooldown_ms="60000", deadline_realtime_ms="5000",
+        deadline_interactive_ms="60000", deadline_batch_ms="120000", **FAST,
+    )  # fmt: skip
+    d.worker()
+    c = await d.client()
+    futs = [
+        await c.submit(
+            request(f"b{i}", f"bulk-{i % 7}", f"I want to know about topping up, case {i}", priority="batch")
+        )
+        for i in range(200)
+    ]
+    await c.producer.flush()
+    while sum(r.priority == "batch" for r in c.replies) < 20:  # noqa: ASYNC110 - the backlog is being worked
+        await asyncio.sleep(0.02)
+    rt = [
+        await c.submit(
+            request(f"rt{i}", f"live-{i}", "Where is my card?", priority="realtime", logprobs=True)
+        )
+        for i in range(5)
+    ]
+    await c.producer.flush()
+    replies = await asyncio.wait_for(asyncio.gather(*futs, *rt), 120)
+    templated = [r for r in replies if r.served_from == "template"]
+    assert templated, "level 3 must answer low classes with the FAQ template"
+    assert all(r.degradation_level == 3 and r.finish_reason == "template" and r.answer for r in templated)
+    assert all(r.priority == "batch" for r in templated)
+    for r in replies[-5:]:
+        assert r.status == "ok" and r.served_from == "model" and r.degradation_level <= 2, (
+            r.error,
+            r.served_from,
+        )
+        assert r.degradation_level == 0 or r.logprobs is None, "logprobs are dropped from level 1"
+    assert "surge_degradation_level 3.0" in d.workers[0].metrics()
