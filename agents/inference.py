@@ -26,6 +26,7 @@ from agents.runtime import Runtime, ack_after, event_context
 from models.base import ChatMessage, ModelBackend, ModelInput, ModelOutput
 from models.embedder import Embedder
 from models.exceptions import ModelError
+from pipeline.admin import changelog_topics
 from pipeline.batcher import AsyncBatcher, BatchObserver
 from pipeline.cache import AnswerCache, CachedAnswer
 from pipeline.dedup import exact_key, guard_allows, is_embeddable, normalize, scope_key
@@ -132,6 +133,12 @@ class Inference:
             await loop.run_in_executor(self.model_pool, self.template_model.load)
         if self.cache is not None:
             self.cache.sync()
+            # the answers table picks changelog partitions with the producer's partitioner, which
+            # needs the topic's metadata before the first write
+            producer = self.rt.app.producer
+            await producer.maybe_start()
+            for topic in changelog_topics(self.rt.settings):
+                await producer._ensure_producer().partitions_for(topic)
         self.ready.set()
         log.info("inference ready: model %s version %s", self.model.name, self.model.version)
 
@@ -368,13 +375,22 @@ class Inference:
                 m.merged.inc()
                 done.append((f, res, "merged", p.req_id, sim, None))
             if isinstance(res, ModelOutput) and p.cache_key and self.cache is not None:
-                with event_context(p.event):
-                    self.cache.put(p.cache_key, CachedAnswer(
-                        answer=res.answer, finish_reason=res.finish_reason, model_version=self.model.version,
-                        created_ms=now_ms(), scope=p.scope, text=p.inp.text, request_id=p.req_id,
-                        vector=p.vector.tolist() if p.vector is not None else None,
-                    ))  # fmt: skip
+                self._store(p, res)
         await self._finish(done, batch_size=len(pend), inference_ms=seconds * 1000)
+
+    def _store(self, p: Pending, res: ModelOutput) -> None:
+        """Put a model answer in the shared cache; a cache failure never costs the reply."""
+        assert self.cache is not None and p.cache_key is not None
+        entry = CachedAnswer(
+            answer=res.answer, finish_reason=res.finish_reason, model_version=self.model.version,
+            created_ms=now_ms(), scope=p.scope, text=p.inp.text, request_id=p.req_id,
+            vector=p.vector.tolist() if p.vector is not None else None,
+        )  # fmt: skip
+        try:
+            with event_context(p.event):
+                self.cache.put(p.cache_key, entry)
+        except Exception:
+            log.exception("could not store the answer of %s in the cache", p.req_id)
 
     # ---- replies ---------------------------------------------------------------------------------
     def _template(self, p: Pending) -> ModelOutput:

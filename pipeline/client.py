@@ -32,12 +32,15 @@ class SurgeClient:
         reply_topic: str = "surge.replies",
         on_reply: Callable[[InferenceReply], None] | None = None,
         from_beginning: bool = False,
+        keep_replies: bool = True,
     ) -> None:
         self.bootstrap = bootstrap
         self.requests_topic = requests_topic
         self.reply_topic = reply_topic
         self.on_reply = on_reply
         self.from_beginning = from_beginning
+        #: keep every reply in ``replies`` (tests, the demo); a long-running gateway turns it off
+        self.keep_replies = keep_replies
         self.producer = AIOKafkaProducer(
             bootstrap_servers=bootstrap, acks="all", linger_ms=2, max_request_size=8 << 20
         )
@@ -95,7 +98,8 @@ class SurgeClient:
             except Exception:
                 log.warning("undecodable reply at %s[%d]@%d", msg.topic, msg.partition, msg.offset)
                 continue
-            self.replies.append(reply)
+            if self.keep_replies:
+                self.replies.append(reply)
             if self.on_reply is not None:
                 self.on_reply(reply)
             fut = self._waiting.pop(reply.request_id, None)
@@ -113,6 +117,10 @@ class SurgeClient:
             fut = asyncio.get_running_loop().create_future()
             self._waiting[request_id] = fut
         return fut
+
+    def forget(self, request_id: str) -> None:
+        """Stop waiting for ``request_id`` (after a timeout); a late reply is then ignored."""
+        self._waiting.pop(request_id, None)
 
     async def submit(self, request: dict[str, Any]) -> asyncio.Future[InferenceReply]:
         """Send one request (a dict in the InferenceRequest format); returns the future of its reply."""

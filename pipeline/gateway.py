@@ -128,7 +128,7 @@ class Gateway:
         self.in_flight = Gauge("surge_gateway_in_flight", "Chat requests awaiting their reply", registry=r)
         self.client = SurgeClient(
             settings.bootstrap_servers, requests_topic=self.topics.requests, reply_topic=self.reply_topic,
-            on_reply=self._drop_kept_reply,
+            keep_replies=False,
         )  # fmt: skip
         self.ready = False
         self.max_body_bytes = settings.max_record_bytes + BODY_SLACK_BYTES
@@ -181,10 +181,6 @@ class Gateway:
     def url(self) -> str:
         """``http://127.0.0.1:<port>`` once started."""
         return f"http://127.0.0.1:{self.port}"
-
-    def _drop_kept_reply(self, reply: InferenceReply) -> None:
-        # SurgeClient keeps every reply in ``replies`` (for tests); a long-running gateway must not.
-        self.client.replies.clear()
 
     # ---- handlers --------------------------------------------------------------------------------
     def _authenticate(self, request: web.Request) -> tuple[str, str | None]:
@@ -296,7 +292,7 @@ class Gateway:
         finally:
             self._in_flight -= 1
             self.in_flight.dec()
-            self.client._waiting.pop(rid, None)  # forget the future (a late reply is then ignored)
+            self.client.forget(rid)
             if not fut.done():
                 fut.cancel()
 
@@ -366,7 +362,7 @@ def run_gateway(settings: Settings) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        gw = await start_gateway(settings)
+        gw = await start_gateway(settings, max_in_flight=settings.gateway_max_in_flight)
         print(f"surge gateway ready: http://0.0.0.0:{gw.port}/v1 (replies on {gw.reply_topic})", flush=True)
         await stop.wait()
         log.info("stopping gateway %s", gw.instance_id)

@@ -130,6 +130,9 @@ class Settings(BaseSettings):
     # --- gateway -------------------------------------------------------------------------------------------
     gateway_port: int = Field(8000, ge=0, le=65535, description="HTTP port of the OpenAI-compatible gateway")
     api_keys: str = Field("", description="comma list key:tenant; empty: no key needed, tenant default")
+    gateway_max_in_flight: int = Field(
+        0, ge=0, description="requests a gateway waits on at once before answering 503; 0 = no bound"
+    )
     gateway_timeout_ms: int = Field(30_000, gt=0, description="longest the gateway waits for a reply, ms")
 
     @model_validator(mode="after")

@@ -249,7 +249,7 @@ class Stack:
 def stack(kafka: EmbeddedKafka, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("gateway")
     main = Deployment(
-        kafka, tmp / "main", degrade_enabled="false", dedup_enabled="false", cache_enabled="false",
+        kafka, tmp / "main", degrade_enabled="false", dedup_enabled="false",
         user_rate_per_s_free="0.1", user_burst_free="1",
         deadline_interactive_ms="30000", deadline_batch_ms="30000",
     )  # fmt: skip
@@ -299,6 +299,7 @@ def test_openai_client_gets_the_answer_usage_and_surge_extension(stack: Stack) -
         model="echo", messages=[{"role": "user", "content": prompt}], user="gw-answer"
     )
     assert again.choices[0].message.content == prompt and again.id != resp.id, "a fresh id per request"
+    assert again.model_extra["surge"]["served_from"] == "cache"  # type: ignore[index]
 
     cut = client.chat.completions.create(
         model="echo", messages=[{"role": "user", "content": "one two three four five"}], max_tokens=2,
