@@ -14,7 +14,9 @@ def build_model(settings: Settings) -> ModelBackend:
         from models.echo import EchoModel
 
         return EchoModel(
-            delay_ms=settings.echo_delay_ms, per_item_ms=settings.echo_per_item_ms, poison=settings.echo_poison
+            delay_ms=settings.echo_delay_ms,
+            per_item_ms=settings.echo_per_item_ms,
+            poison=settings.echo_poison,
         )
     if settings.model == "hf":
         from models.hf_causal import HFCausalLM

@@ -100,9 +100,13 @@ async def test_cache_survives_a_worker_restart_and_never_crosses_tenants(deploym
     d.worker()
     exact = await c.request(request("c3", "u3", "How do I order a new chequebook?", tenant="bank-a"), 60)
     assert exact.served_from == "cache", "the exact layer must survive a restart"
-    semantic = await c.request(request("c4", "u4", "Hi, how can I order a new chequebook please?", tenant="bank-a"), 60)
+    semantic = await c.request(
+        request("c4", "u4", "Hi, how can I order a new chequebook please?", tenant="bank-a"), 60
+    )
     assert semantic.served_from == "cache" and semantic.similarity is not None and semantic.similarity >= 0.92
     other = await c.request(request("c5", "u5", "How do I order a new chequebook?", tenant="bank-b"), 60)
     assert other.served_from == "model", "tenant bank-b must never see bank-a's cached answer"
-    private = await c.request(request("c6", "u6", "How do I order a new chequebook?", tenant="bank-a", cache=False), 60)
+    private = await c.request(
+        request("c6", "u6", "How do I order a new chequebook?", tenant="bank-a", cache=False), 60
+    )
     assert private.served_from == "model", "cache: false never reads the shared cache"
