@@ -36,7 +36,7 @@ def create_app(settings: Settings) -> faust.App:
         key_serializer="raw",
         value_serializer="raw",
         stream_buffer_maxsize=settings.stream_buffer_max_records,
-        broker_session_timeout=30.0,
-        broker_heartbeat_interval=3.0,
+        broker_session_timeout=settings.session_timeout_s,
+        broker_heartbeat_interval=min(3.0, settings.session_timeout_s / 4),
         consumer_max_fetch_size=4 * 1024 * 1024,
     )

@@ -157,7 +157,8 @@ def cmd_dedup(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from pipeline.bench import run_bench
 
-    return run_bench(args.scenario, quick=args.quick, json_path=args.json, plot_path=args.plot)
+    options = {"banking77_csv": args.data} if args.data else {}
+    return run_bench(args.scenario, quick=args.quick, json_path=args.json, plot_path=args.plot, **options)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -228,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="a small run (what the tests use)")
     b.add_argument("--json", default=None)
     b.add_argument("--plot", default=None, help="PNG path (default beside --json or bench-<scenario>.png)")
+    b.add_argument("--data", default=None, help="merging: banking77-style text,category CSV")
     b.set_defaults(fn=cmd_bench)
 
     g = sub.add_parser("gateway", help="OpenAI-compatible HTTP gateway")

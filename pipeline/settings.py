@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     processing_guarantee: Literal["at_least_once", "exactly_once"] = Field(
         "at_least_once", description="Faust processing guarantee; exactly_once uses Kafka transactions"
     )
+    session_timeout_s: float = Field(
+        10.0, gt=1, le=300, description="consumer session timeout: how soon a dead worker's partitions move"
+    )
     commit_interval_ms: int = Field(
         500, ge=50, le=60_000, description="how often acked offsets are committed"
     )

@@ -1,0 +1,34 @@
+"""``surge bench SCENARIO``: the real pipeline on the embedded Kafka against its baselines and its limit.
+
+Scenarios (DESIGN.md "Performance: how it is measured"), one module each: ``batching``, ``merging``,
+``priority``, ``overhead``, ``gateway``. Each runs all of its arms in one process run on one broker,
+interleaved where the arms allow it, and writes a JSON result (ratios, latency percentiles, targets
+with how much they are missed by) and a PNG plot, by default under ``bench-results/``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+SCENARIOS: tuple[str, ...] = ("batching", "merging", "priority", "overhead", "gateway")
+
+
+def run_bench(
+    scenario: str,
+    *,
+    quick: bool = False,
+    json_path: str | Path | None = None,
+    plot_path: str | Path | None = None,
+    **options: Any,
+) -> int:
+    """Run one scenario; called by ``surge bench``. Returns the exit status (0 when it ran to the end,
+    whether or not its targets were met: the JSON says which were missed and by how much).
+
+    ``options`` go to the scenario (e.g. ``banking77_csv=`` for ``merging``).
+    """
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown benchmark scenario {scenario!r}; one of {', '.join(SCENARIOS)}")
+    module = importlib.import_module(f"pipeline.bench.{scenario}")
+    return int(module.run(quick=quick, json_path=json_path, plot_path=plot_path, **options))

@@ -1,0 +1,401 @@
+"""Shared machinery of the benchmarks: the broker, isolated deployments, metrics, results.
+
+Called by every scenario module. :class:`BenchEnv` starts the embedded Kafka broker once per run
+(data dir ``.surge-bench/kafka``), hands out :class:`BenchDeployment` objects (one topic prefix,
+app id and worker per arm, so arms share the broker but nothing else) and stops every process it
+started when the ``with`` block ends, also on errors and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.broker import EmbeddedKafka
+from pipeline.client import SurgeClient
+from pipeline.exceptions import SurgeError
+from pipeline.procs import WorkerProcess
+from pipeline.settings import Settings
+from pipeline.topics import TopicNames
+
+BENCH_DIR = Path(".surge-bench")
+RESULTS_DIR = Path("bench-results")
+
+#: settings every arm shares unless a scenario overrides them: nothing but the measured feature varies
+BASE_ENV: dict[str, str] = {
+    "SURGE_PARTITIONS": "4",
+    "SURGE_COMMIT_INTERVAL_MS": "200",
+    "SURGE_RATE_LIMIT_ENABLED": "false",
+    "SURGE_DEGRADE_ENABLED": "false",
+    # one torch thread per worker: on a 2-core box the default thread pool fights the event loop
+    "SURGE_MODEL_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class BenchError(SurgeError):
+    """A benchmark could not run (missing data, a worker that did not start, lost replies)."""
+
+
+# ---- statistics -----------------------------------------------------------------------------------
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100) by linear interpolation; ``None`` for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    if len(xs) == 1:
+        return float(xs[0])
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+
+
+def latency_summary(ms: Sequence[float]) -> dict[str, float | int | None]:
+    """count, mean, p50, p90, p99, p999 and max of latencies in milliseconds (rounded to 0.1 ms)."""
+
+    def r(x: float | None) -> float | None:
+        return None if x is None else round(x, 1)
+
+    return {
+        "count": len(ms),
+        "mean_ms": r(sum(ms) / len(ms)) if ms else None,
+        "p50_ms": r(percentile(ms, 50)),
+        "p90_ms": r(percentile(ms, 90)),
+        "p99_ms": r(percentile(ms, 99)),
+        "p999_ms": r(percentile(ms, 99.9)),
+        "max_ms": r(max(ms)) if ms else None,
+    }
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b rounded to 3 places, ``None`` where undefined."""
+    if a is None or b is None or b == 0:
+        return None
+    return round(a / b, 3)
+
+
+def target(name: str, value: float | None, op: str, goal: float, unit: str = "") -> dict[str, Any]:
+    """One target check: ``value op goal`` with ``op`` in ``>=``/``<=``; says by how much it is missed."""
+    if value is None:
+        return {"name": name, "value": None, "goal": f"{op} {goal}{unit}", "met": False, "missed_by": None}
+    met = value >= goal if op == ">=" else value <= goal
+    missed_by = 0.0 if met else round(abs(goal - value), 4)
+    return {
+        "name": name, "value": round(value, 4), "goal": f"{op} {goal}{unit}", "met": met,
+        "missed_by": missed_by,
+    }  # fmt: skip
+
+
+# ---- metrics --------------------------------------------------------------------------------------
+def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus exposition text → ``{(sample name, sorted labels): value}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return out
+
+
+def metric_sum(
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
+) -> float:
+    """Sum of the samples named ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for (n, lab), v in samples.items():
+        if n == name and all(dict(lab).get(k) == val for k, val in labels.items()):
+            total += v
+    return total
+
+
+def metric_delta(
+    before: dict[tuple[str, tuple[tuple[str, str], ...]], float],
+    after: dict[tuple[str, tuple[tuple[str, str], ...]], float],
+    name: str,
+    **labels: str,
+) -> float:
+    return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+
+# ---- deployments ----------------------------------------------------------------------------------
+@dataclass
+class BenchDeployment:
+    """One arm's surge deployment: its own topics, app id, worker and client on the shared broker."""
+
+    name: str
+    env: dict[str, str]
+    bootstrap: str
+    tmp: Path
+    workers: list[WorkerProcess] = field(default_factory=list)
+    clients: list[SurgeClient] = field(default_factory=list)
+
+    @property
+    def topics(self) -> TopicNames:
+        return TopicNames(self.env["SURGE_TOPIC_PREFIX"])
+
+    def settings(self) -> Settings:
+        """The Settings a worker of this deployment reads (validated here, before any start)."""
+        saved = dict(os.environ)
+        try:
+            os.environ.update(self.env)
+            return Settings.load()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+    def start_worker(self) -> WorkerProcess:
+        """Start one ``surge worker`` (not waiting for it: see :meth:`BenchEnv.wait_ready`)."""
+        w = WorkerProcess(self.env, self.tmp / f"{self.name}-worker-{len(self.workers)}.log")
+        self.workers.append(w.start())
+        return w
+
+    async def client(self) -> SurgeClient:
+        """A started client of this deployment's request and reply topics (topics created first)."""
+        from pipeline.admin import ensure_topics
+
+        await ensure_topics(self.settings())
+        c = SurgeClient(self.bootstrap, requests_topic=self.topics.requests, reply_topic=self.topics.replies)
+        await c.start()
+        self.clients.append(c)
+        return c
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """The first worker's /metrics, parsed."""
+        return scrape(self.workers[0].metrics())
+
+    async def close(self) -> None:
+        for c in self.clients:
+            try:
+                await asyncio.wait_for(c.stop(), 10)
+            except Exception:
+                pass
+        self.clients.clear()
+        self.stop_workers()
+
+    def stop_workers(self) -> None:
+        for w in self.workers:
+            w.stop(timeout_s=15)
+
+
+class BenchEnv:
+    """The broker and everything started for one benchmark run; a context manager that cleans up."""
+
+    def __init__(
+        self,
+        scenario: str,
+        *,
+        bench_dir: Path = BENCH_DIR,
+        heap_mb: int = 768,
+        broker: EmbeddedKafka | None = None,
+    ) -> None:
+        """``broker``: an already running broker to use (tests); it is then left running at the end."""
+        self.scenario = scenario
+        self.bench_dir = bench_dir.absolute()
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+        self.run_dir = self.bench_dir / "runs" / f"{scenario}-{stamp}"
+        self.own_broker = broker is None
+        self.kafka = broker or EmbeddedKafka(self.bench_dir / "kafka", partitions=4, heap_mb=heap_mb)
+        self.deployments: list[BenchDeployment] = []
+        self.extra_stops: list[Callable[[], None]] = []
+
+    def __enter__(self) -> BenchEnv:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not self.own_broker:
+            return self
+        try:
+            self.kafka.start()
+        except BaseException:
+            self.kafka.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop workers, helper processes and the broker (idempotent)."""
+        for d in self.deployments:
+            d.clients.clear()  # clients belong to the scenario's event loop, which closes them
+            d.stop_workers()
+        for stop in reversed(self.extra_stops):
+            try:
+                stop()
+            except Exception:
+                pass
+        self.extra_stops.clear()
+        if self.own_broker:
+            self.kafka.stop()
+        shutil.rmtree(self.run_dir / "data", ignore_errors=True)
+
+    @property
+    def bootstrap(self) -> str:
+        return self.kafka.bootstrap
+
+    def deployment(self, name: str, **env: str | int | float | bool) -> BenchDeployment:
+        """A new isolated deployment for arm ``name``; ``env`` keys are Settings field names."""
+        tag = uuid.uuid4().hex[:8]
+        full = {
+            **BASE_ENV,
+            "SURGE_BROKER": f"kafka://{self.bootstrap}",
+            "SURGE_TOPIC_PREFIX": f"b{tag}.",
+            "SURGE_APP_ID": f"bench-{self.scenario}-{name}-{tag}",
+            "SURGE_DATA_DIR": str(self.run_dir / "data" / f"{name}-{tag}"),
+        }
+        for k, v in env.items():
+            key = k if k.isupper() else f"SURGE_{k.upper()}"
+            full[key] = str(v).lower() if isinstance(v, bool) else str(v)
+        d = BenchDeployment(name, full, self.bootstrap, self.run_dir)
+        d.settings()  # fail fast on an invalid combination
+        self.deployments.append(d)
+        return d
+
+    def wait_ready(self, deployments: Iterable[BenchDeployment], timeout_s: float = 240.0) -> float:
+        """Start a worker for each deployment (in parallel) and wait until all are ready; seconds taken."""
+        t0 = time.monotonic()
+        deps = list(deployments)
+        for d in deps:
+            if not d.workers:
+                d.start_worker()
+        for d in deps:
+            left = max(5.0, timeout_s - (time.monotonic() - t0))
+            try:
+                d.workers[0].wait_ready(timeout_s=left)
+            except SurgeError as exc:
+                raise BenchError(f"arm {d.name!r}: {exc}") from exc
+        return time.monotonic() - t0
+
+
+# ---- results --------------------------------------------------------------------------------------
+def environment() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def default_paths(
+    scenario: str, json_path: str | Path | None, plot_path: str | Path | None
+) -> tuple[Path, Path]:
+    """JSON and PNG paths: given, or ``bench-results/<scenario>.json``/``.png`` (PNG beside the JSON)."""
+    jp = Path(json_path) if json_path else RESULTS_DIR / f"{scenario}.json"
+    pp = Path(plot_path) if plot_path else jp.with_suffix(".png")
+    return jp, pp
+
+
+def write_json(path: Path, result: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+def bar_plot(path: Path, title: str, panels: Sequence[tuple[str, dict[str, float | None]]]) -> None:
+    """One bar chart per panel (``(ylabel, {arm: value})``), side by side, written as PNG (Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    colors = ["#2b6cb0", "#dd6b20", "#38a169", "#805ad5", "#e53e3e", "#718096"]
+    for ax, (label, values) in zip(axes[0], panels, strict=True):
+        names = list(values)
+        ys = [values[n] or 0.0 for n in names]
+        ax.bar(names, ys, color=colors[: len(names)])
+        ax.set_ylabel(label)
+        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+        for i, y in enumerate(ys):
+            ax.annotate(f"{y:.3g}", (i, y), ha="center", va="bottom", fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def finish(
+    scenario: str,
+    result: dict[str, Any],
+    json_path: str | Path | None,
+    plot_path: str | Path | None,
+    panels: Sequence[tuple[str, dict[str, float | None]]],
+) -> int:
+    """Write the JSON and the PNG, print a summary; the exit status (0: ran, whether or not targets met)."""
+    jp, pp = default_paths(scenario, json_path, plot_path)
+    result = {"scenario": scenario, **result, "environment": environment(), "plot": str(pp)}
+    write_json(jp, result)
+    bar_plot(pp, f"surge bench {scenario}" + (" (quick)" if result.get("quick") else ""), panels)
+    print(f"\n{scenario}: JSON {jp}, plot {pp}", file=sys.stderr)
+    for t in result.get("targets", []):
+        state = "met" if t["met"] else f"MISSED by {t['missed_by']}"
+        print(f"  target {t['name']}: {t['value']} (goal {t['goal']}) {state}", file=sys.stderr)
+    return 0
+
+
+class HelperProcess:
+    """A baseline process the benchmark starts (plain loop, sync server, gateway): logs to a file,
+    ready when ``marker`` appears in it, stopped with SIGTERM then SIGKILL."""
+
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.argv = argv
+        self.log_path = log_path
+        self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        self.proc: Any = None
+
+    def start(self, env: BenchEnv) -> HelperProcess:
+        """Start it and register its stop with ``env`` (so it is stopped on any exit)."""
+        import subprocess
+
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+        env.extra_stops.append(self.stop)
+        return self
+
+    def wait_ready(self, marker: str, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise BenchError(f"{self.argv[2:4]} exited with {self.proc.returncode}:\n{self.tail()}")
+            if self.log_path.exists() and marker in self.log_path.read_text(errors="replace"):
+                return
+            time.sleep(0.2)
+        raise BenchError(f"{self.argv[2:4]} not ready after {timeout_s:.0f} s:\n{self.tail()}")
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        from pipeline.broker import stop_pid
+
+        if self.proc is not None and self.proc.poll() is None:
+            stop_pid(self.proc.pid, 10)
+            try:
+                self.proc.wait(5)
+            except Exception:
+                pass
+
+
+def progress(total: int, desc: str) -> Any:
+    """A tqdm bar on stderr."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False, dynamic_ncols=True)

@@ -1,0 +1,312 @@
+"""``surge bench merging``: model calls saved by caching and semantic merging, and the merges that were wrong.
+
+Workload, drawn from the held-out banking77 rows (:func:`models.faq_train.split_banking77`, 15%,
+seed 77; the CSV is read only here, from the path given): 50% unique questions, 30% exact repeats of
+an earlier question, 20% light edits of one (case, punctuation, white space, a polite word added).
+Repeats and edits follow their original by a random distance, so some meet it in flight (merged)
+and some after it was answered (cache).
+
+Arms, the FAQ answerer in both, the same requests at the same open-loop rate, interleaved in chunks:
+
+* ``surge``: merging and caching on (the defaults);
+* ``off``: ``dedup_enabled=false``, ``cache_enabled=false``.
+
+Model calls are counted by the worker itself: ``surge_batch_size_sum`` (items sent to the model) from
+its ``/metrics``, with ``surge_requests_total`` by ``served_from``. A wrong merge is a merged or cached
+reply whose ``merged_into`` request (for an exact-cache hit at intake, which names no leader: the
+earlier request with the same normalised text) has a different banking77 intent than its own.
+Targets: model calls fall by at least 45%, wrong-intent merges at most 1%.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.bench.common import (
+    BenchDeployment,
+    BenchEnv,
+    BenchError,
+    finish,
+    latency_summary,
+    metric_delta,
+    metric_sum,
+    progress,
+    target,
+)
+from pipeline.bench.load import LoadResult, open_loop
+from pipeline.broker import EmbeddedKafka
+from pipeline.client import SurgeClient
+from pipeline.dedup import normalize
+
+DEFAULT_CSV = Path("../shared/data/banking77/train.csv")
+LONG_DEADLINES = {
+    "deadline_realtime_ms": 600_000,
+    "deadline_interactive_ms": 600_000,
+    "deadline_batch_ms": 600_000,
+}
+POLITE_BEFORE = ("Hi, ", "Hello, ", "Please, ", "Hey there, ", "Excuse me, ")
+POLITE_AFTER = (" please", " thanks", " thank you", " please help", " if you can")
+
+
+@dataclass(frozen=True)
+class Plan:
+    unique: int
+    rate_per_s: float
+    chunks: int
+    timeout_s: float
+
+
+FULL = Plan(unique=1200, rate_per_s=100.0, chunks=3, timeout_s=120)
+QUICK = Plan(unique=60, rate_per_s=60.0, chunks=1, timeout_s=30)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One workload entry: its text, its banking77 intent, its kind, and the unique entry it copies."""
+
+    text: str
+    intent: str
+    kind: str  # unique | repeat | edit
+    source: int | None  # index of the unique entry a repeat or edit copies
+
+
+def light_edit(text: str, rng: random.Random) -> str:
+    """One or two meaning-preserving edits: case, punctuation, white space, a polite word."""
+    ops = rng.sample(("case", "punct", "space", "polite"), k=rng.choice((1, 2)))
+    out = text
+    for op in ops:
+        if op == "case":
+            out = rng.choice((str.lower, str.upper, str.capitalize, str.title))(out)
+        elif op == "punct":
+            stripped = out.rstrip("?!. ")
+            out = stripped + rng.choice(("", "?", "??", "!", ".", " ?")) if stripped else out
+        elif op == "space":
+            words = out.split(" ")
+            i = rng.randrange(len(words))
+            words[i] = words[i] + " "
+            out = rng.choice(("  ", " ", "")) + " ".join(words) + rng.choice(("", " ", "\t"))
+        else:
+            out = (
+                rng.choice(POLITE_BEFORE) + out[:1].lower() + out[1:]
+                if rng.random() < 0.5
+                else (out.rstrip("?!. ") + rng.choice(POLITE_AFTER) + "?")
+            )
+    return out if out.strip() else text
+
+
+def build_workload(rows: list[tuple[str, str]], n_unique: int, seed: int = 7) -> list[Item]:
+    """``2 * n_unique`` items: n_unique unique questions, 30% of the total repeats, 20% edits."""
+    rng = random.Random(seed)
+    pool = list(rows)
+    rng.shuffle(pool)
+    seen_norm: set[str] = set()
+    uniques: list[tuple[str, str]] = []
+    for text, intent in pool:  # unique means unique after normalisation, too
+        key = normalize(text)
+        if key in seen_norm:
+            continue
+        seen_norm.add(key)
+        uniques.append((text, intent))
+        if len(uniques) == n_unique:
+            break
+    if len(uniques) < n_unique:
+        raise BenchError(f"only {len(uniques)} distinct held-out questions; {n_unique} needed")
+    total = 2 * len(uniques)
+    n_repeat = round(0.3 * total)
+    kinds = ["repeat"] * n_repeat + ["edit"] * (total - len(uniques) - n_repeat)
+    rng.shuffle(kinds)
+    out: list[Item] = []
+    unique_idx: list[int] = []
+    u = 0
+    while u < len(uniques) or kinds:
+        # the first few are always unique; after that draw in proportion to what is left
+        take_unique = u < len(uniques) and (
+            not unique_idx or not kinds or rng.random() < (len(uniques) - u) / (len(uniques) - u + len(kinds))
+        )
+        if take_unique:
+            text, intent = uniques[u]
+            unique_idx.append(len(out))
+            out.append(Item(text, intent, "unique", None))
+            u += 1
+            continue
+        kind = kinds.pop()
+        src = rng.choice(unique_idx[-300:]) if rng.random() < 0.7 else rng.choice(unique_idx)
+        base = out[src]
+        text = base.text if kind == "repeat" else light_edit(base.text, rng)
+        out.append(Item(text, base.intent, kind, src))
+    return out
+
+
+def requests(arm: str, tag: str, items: list[Item], start: int) -> list[dict[str, Any]]:
+    return [
+        {"request_id": f"{arm}-{tag}-{start + i}", "user_id": f"user-{(start + i) % 64}", "prompt": it.text}
+        for i, it in enumerate(items)
+    ]
+
+
+def judge(arm: str, tag: str, items: list[Item], res: LoadResult) -> dict[str, Any]:
+    """Served-from counts, wrong-intent merges and answers, from the replies of one arm."""
+    index = {f"{arm}-{tag}-{i}": i for i in range(len(items))}
+    first_model_by_norm: dict[str, int] = {}
+    for rid, rep in sorted(res.replies.items(), key=lambda kv: index[kv[0]]):
+        if rep.served_from == "model":
+            first_model_by_norm.setdefault(normalize(items[index[rid]].text), index[rid])
+    served: dict[str, int] = {}
+    pairs = wrong = unverifiable = 0
+    examples: list[dict[str, str]] = []
+    for rid, rep in res.replies.items():
+        key = rep.served_from or ("error" if rep.status != "ok" else "none")
+        served[key] = served.get(key, 0) + 1
+        if rep.served_from not in ("merged", "cache"):
+            continue
+        own = items[index[rid]]
+        if rep.merged_into is not None and rep.merged_into in index:
+            leader = items[index[rep.merged_into]]
+        else:
+            j = first_model_by_norm.get(normalize(own.text))
+            if j is None:
+                unverifiable += 1
+                continue
+            leader = items[j]
+        pairs += 1
+        if leader.intent != own.intent:
+            wrong += 1
+            if len(examples) < 10:
+                examples.append({"request": own.text, "intent": own.intent, "leader": leader.text,
+                                 "leader_intent": leader.intent, "similarity": str(rep.similarity)})  # fmt: skip
+    kinds: dict[str, dict[str, int]] = {}
+    for rid, rep in res.replies.items():
+        k = kinds.setdefault(items[index[rid]].kind, {})
+        s = rep.served_from or "error"
+        k[s] = k.get(s, 0) + 1
+    return {
+        "served_from": served, "served_from_by_kind": kinds, "merged_pairs_checked": pairs,
+        "merged_pairs_unverifiable": unverifiable, "wrong_intent_merges": wrong,
+        "wrong_intent_rate": round(wrong / pairs, 4) if pairs else 0.0, "wrong_examples": examples,
+    }  # fmt: skip
+
+
+def resolve_csv(banking77_csv: str | Path | None) -> Path:
+    path = Path(banking77_csv or os.environ.get("SURGE_BENCH_BANKING77_CSV") or DEFAULT_CSV)
+    if not path.is_file():
+        raise BenchError(
+            f"banking77 CSV not found at {str(path)!r} (absolute {path.absolute()}); the merging benchmark "
+            "needs the banking77 train.csv (text,category): pass banking77_csv= to run_bench or set "
+            "SURGE_BENCH_BANKING77_CSV"
+        )
+    return path
+
+
+async def _measure(
+    arms: dict[str, tuple[BenchDeployment, SurgeClient]], items: list[Item], plan: Plan
+) -> tuple[dict[str, LoadResult], dict[str, dict[str, Any]]]:
+    before = {n: d.metrics() for n, (d, _) in arms.items()}
+    results = {n: LoadResult() for n in arms}
+    size = -(-len(items) // plan.chunks)
+    for k in range(plan.chunks):
+        chunk = items[k * size : (k + 1) * size]
+        for name, (_, c) in arms.items():
+            with progress(len(chunk), f"merging {name} chunk {k + 1}/{plan.chunks}") as bar:
+                res = await open_loop(
+                    c, requests(name, "w", chunk, k * size), rate_per_s=plan.rate_per_s,
+                    timeout_s=plan.timeout_s, drain_s=30, bar=bar,
+                )  # fmt: skip
+            results[name].merge(res)
+    await asyncio.sleep(1.0)  # let the last counters land
+    counts: dict[str, dict[str, Any]] = {}
+    for name, (d, _) in arms.items():
+        after = d.metrics()
+        counts[name] = {
+            "model_items": metric_delta(before[name], after, "surge_batch_size_sum"),
+            "model_calls": metric_delta(before[name], after, "surge_batch_size_count"),
+            "requests_total_by_served_from": {
+                s: metric_delta(before[name], after, "surge_requests_total", served_from=s)
+                for s in ("model", "cache", "merged", "template", "none")
+            },
+            "merged_total": metric_sum(after, "surge_merged_total")
+            - metric_sum(before[name], "surge_merged_total"),
+        }
+    return results, counts
+
+
+def run(
+    *,
+    quick: bool = False,
+    json_path: str | Path | None = None,
+    plot_path: str | Path | None = None,
+    broker: EmbeddedKafka | None = None,
+    banking77_csv: str | Path | None = None,
+) -> int:
+    from models.faq_train import split_banking77
+
+    plan = QUICK if quick else FULL
+    csv_path = resolve_csv(banking77_csv)
+    _, holdout = split_banking77(csv_path, 0.15, 77)
+    items = build_workload(holdout, min(plan.unique, len(holdout) - 50))
+    common = {"model": "faq", **LONG_DEADLINES, "queue_limit_per_class": 4096}
+    with BenchEnv("merging", broker=broker) as env:
+        on = env.deployment("surge", dedup_enabled=True, cache_enabled=True, **common)
+        off = env.deployment("off", dedup_enabled=False, cache_enabled=False, **common)
+        startup_s = env.wait_ready([on, off])
+        threshold = on.settings().semantic_threshold
+
+        async def main() -> tuple[dict[str, LoadResult], dict[str, dict[str, Any]]]:
+            try:
+                arms = {"surge": (on, await on.client()), "off": (off, await off.client())}
+                return await _measure(arms, items, plan)
+            finally:
+                await on.close()
+                await off.close()
+
+        results, counts = asyncio.run(main())
+    arms: dict[str, Any] = {}
+    for name, res in results.items():
+        if not res.replies:
+            raise BenchError(f"arm {name!r} answered nothing")
+        arms[name] = {
+            "sent": res.sent, "answered": len(res.replies), "lost": res.lost,
+            "errors": sum(1 for r in res.replies.values() if r.status != "ok"),
+            "latency": latency_summary(res.ok_latencies()), **counts[name], **judge(name, "w", items, res),
+        }  # fmt: skip
+    on_items, off_items = arms["surge"]["model_items"], arms["off"]["model_items"]
+    saved = round(1 - on_items / off_items, 4) if off_items else None
+    same_answer = sum(
+        1 for i in range(len(items))
+        if (a := results["surge"].replies.get(f"surge-w-{i}")) and (b := results["off"].replies.get(f"off-w-{i}"))
+        and a.answer == b.answer
+    )  # fmt: skip
+    both = sum(
+        1
+        for i in range(len(items))
+        if f"surge-w-{i}" in results["surge"].replies and f"off-w-{i}" in results["off"].replies
+    )
+    result = {
+        "quick": quick,
+        "plan": plan.__dict__,
+        "data": {"csv": str(csv_path), "holdout_rows": len(holdout), "requests": len(items),
+                 "kinds": {k: sum(1 for it in items if it.kind == k) for k in ("unique", "repeat", "edit")}},
+        "semantic_threshold": threshold,
+        "worker_startup_s": round(startup_s, 1),
+        "arms": arms,
+        "model_calls_saved": saved,
+        "model_calls_saved_best_possible": round(1 - len({normalize(it.text) for it in items if it.kind == "unique"}) / len(items), 4),
+        "answers_same_as_off": round(same_answer / both, 4) if both else None,
+        "targets": [
+            target("model calls saved", saved, ">=", 0.45),
+            target("wrong-intent merges", arms["surge"]["wrong_intent_rate"], "<=", 0.01),
+        ],
+        "notes": "model calls counted as items sent to the model (surge_batch_size_sum); the FAQ model is "
+        "called in micro-batches, so surge_batch_size_count (calls) is also given. Half the workload is "
+        "unique, so 50% saved is the ceiling.",
+    }  # fmt: skip
+    return finish(
+        "merging", result, json_path, plot_path,
+        [("items sent to the model", {a: v["model_items"] for a, v in arms.items()}),
+         ("served from (surge arm)", {k: float(v) for k, v in arms["surge"]["served_from"].items()}),
+         ("p50 latency, ms", {a: v["latency"]["p50_ms"] for a, v in arms.items()})],
+    )  # fmt: skip

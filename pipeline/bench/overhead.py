@@ -1,0 +1,150 @@
+"""``surge bench overhead``: the pipeline's cost, with an echo model that costs nothing.
+
+Arms, on the same broker, driven by the same client:
+
+* ``surge``: a worker (intake → work topic → inference → reply), echo model, caches and merging off;
+* ``plain``: :mod:`pipeline.bench.plain_loop`, an aiokafka consume → echo → produce → commit loop.
+
+Throughput: closed loop at high concurrency, rounds interleaved (surge, plain, surge, plain, ...).
+Added latency: p50 at concurrency 1 (no queueing), surge minus plain. Target: surge throughput at
+least 50% of the plain loop's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.bench.common import (
+    BenchDeployment,
+    BenchEnv,
+    BenchError,
+    HelperProcess,
+    finish,
+    latency_summary,
+    progress,
+    ratio,
+    target,
+)
+from pipeline.bench.load import LoadResult, closed_loop
+from pipeline.broker import EmbeddedKafka
+from pipeline.client import SurgeClient
+
+
+@dataclass(frozen=True)
+class Plan:
+    rounds: int
+    per_round: int
+    concurrency: int
+    probe: int
+    timeout_s: float
+
+
+FULL = Plan(rounds=3, per_round=3000, concurrency=256, probe=200, timeout_s=60)
+QUICK = Plan(rounds=1, per_round=300, concurrency=64, probe=30, timeout_s=30)
+LONG_DEADLINES = {
+    "deadline_realtime_ms": 60_000,
+    "deadline_interactive_ms": 60_000,
+    "deadline_batch_ms": 60_000,
+}
+
+
+def requests(arm: str, tag: str, n: int) -> list[dict[str, Any]]:
+    """``n`` distinct small requests from 32 users."""
+    return [
+        {
+            "request_id": f"{arm}-{tag}-{i}",
+            "user_id": f"user-{i % 32}",
+            "prompt": f"echo this short line {tag} {i}",
+        }
+        for i in range(n)
+    ]
+
+
+async def _measure(arms: dict[str, tuple[BenchDeployment, SurgeClient]], plan: Plan) -> dict[str, Any]:
+    for name, (_, c) in arms.items():  # warm-up: connections, JIT-free paths, consumer positions
+        await closed_loop(c, requests(name, "warm", 50), concurrency=16, timeout_s=30)
+    throughput: dict[str, LoadResult] = {n: LoadResult() for n in arms}
+    probes: dict[str, LoadResult] = {n: LoadResult() for n in arms}
+    for r in range(plan.rounds):
+        for name, (_, c) in arms.items():
+            with progress(plan.per_round, f"overhead {name} round {r + 1}/{plan.rounds}") as bar:
+                res = await closed_loop(
+                    c, requests(name, f"t{r}", plan.per_round), concurrency=plan.concurrency,
+                    timeout_s=plan.timeout_s, bar=bar,
+                )  # fmt: skip
+            throughput[name].merge(res)
+        for name, (_, c) in arms.items():
+            n = max(1, plan.probe // plan.rounds)
+            with progress(n, f"overhead {name} latency probe") as bar:
+                res = await closed_loop(c, requests(name, f"p{r}", n), concurrency=1, timeout_s=30, bar=bar)
+            probes[name].merge(res)
+    out: dict[str, Any] = {}
+    for name in arms:
+        t, p = throughput[name], probes[name]
+        if not t.replies:
+            raise BenchError(f"arm {name!r} answered nothing")
+        out[name] = {
+            "sent": t.sent, "answered": len(t.replies), "lost": t.lost,
+            "errors": sum(1 for rep in t.replies.values() if rep.status != "ok"),
+            "throughput_rps": round(t.throughput, 1), "elapsed_s": round(t.elapsed_s, 2),
+            "latency_loaded": latency_summary(t.ok_latencies()),
+            "latency_idle": latency_summary(p.ok_latencies()),
+        }  # fmt: skip
+    return out
+
+
+def run(
+    *,
+    quick: bool = False,
+    json_path: str | Path | None = None,
+    plot_path: str | Path | None = None,
+    broker: EmbeddedKafka | None = None,
+) -> int:
+    plan = QUICK if quick else FULL
+    with BenchEnv("overhead", broker=broker) as env:
+        surge = env.deployment(
+            "surge", model="echo", dedup_enabled=False, cache_enabled=False, **LONG_DEADLINES
+        )
+        plain = env.deployment("plain", model="echo")
+        startup_s = env.wait_ready([surge])
+
+        async def main() -> dict[str, Any]:
+            sc = await surge.client()
+            pc = await plain.client()  # creates the plain arm's topics before its loop subscribes
+            helper = HelperProcess(
+                [sys.executable, "-m", "pipeline.bench.plain_loop", "--bootstrap", env.bootstrap,
+                 "--topic", plain.topics.requests, "--group", plain.env["SURGE_APP_ID"],
+                 "--reply-to", plain.topics.replies],
+                env.run_dir / "plain-loop.log",
+            ).start(env)  # fmt: skip
+            await asyncio.to_thread(helper.wait_ready, "plain loop ready", 60)
+            try:
+                return await _measure({"surge": (surge, sc), "plain": (plain, pc)}, plan)
+            finally:
+                await surge.close()
+                await plain.close()
+
+        arms = asyncio.run(main())
+    tput = ratio(arms["surge"]["throughput_rps"], arms["plain"]["throughput_rps"])
+    s_p50, p_p50 = arms["surge"]["latency_idle"]["p50_ms"], arms["plain"]["latency_idle"]["p50_ms"]
+    added = round(s_p50 - p_p50, 1) if s_p50 is not None and p_p50 is not None else None
+    result = {
+        "quick": quick,
+        "plan": plan.__dict__,
+        "worker_startup_s": round(startup_s, 1),
+        "arms": arms,
+        "throughput_ratio_surge_vs_plain": tput,
+        "added_p50_latency_ms": added,
+        "targets": [target("throughput surge/plain", tput, ">=", 0.5)],
+        "notes": "surge makes three broker hops per request (requests → work.<class> → replies) where the "
+        "plain loop makes one; idle latency includes surge's batch window (max_wait_ms).",
+    }
+    return finish(
+        "overhead", result, json_path, plot_path,
+        [("requests/s", {a: v["throughput_rps"] for a, v in arms.items()}),
+         ("p50 latency at concurrency 1, ms", {a: v["latency_idle"]["p50_ms"] for a, v in arms.items()})],
+    )  # fmt: skip
