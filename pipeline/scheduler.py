@@ -303,19 +303,29 @@ class _ClassQueue:
 
 class EdfPolicy(QueuePolicy):
     """Strict priority across classes; within a class (tier rank, deadline, arrival), one user's
-    items in arrival order."""
+    items in arrival order.
+
+    With ``realtime_alone`` (the default) a batch that holds real-time items holds nothing else: a
+    smaller batch finishes sooner, and real-time deadlines are the tight ones.
+    """
 
     name = "edf"
 
-    def __init__(self) -> None:
+    def __init__(self, realtime_alone: bool = True) -> None:
         self._classes: dict[Priority, _ClassQueue] = {p: _ClassQueue() for p in Priority}
+        self.realtime_alone = realtime_alone
 
     def push(self, entry: QueueEntry) -> None:
         self._classes[entry.item.priority].push(entry)
 
+    def _classes_for_batch(self) -> tuple[Priority, ...]:
+        if self.realtime_alone and self._classes[Priority.REALTIME].count:
+            return (Priority.REALTIME,)
+        return _PRIORITY_ORDER
+
     def take(self, n: int) -> list[QueueEntry]:
         out: list[QueueEntry] = []
-        for p in _PRIORITY_ORDER:
+        for p in self._classes_for_batch():
             if len(out) >= n:
                 break
             out.extend(self._classes[p].take(n - len(out)))
@@ -323,7 +333,7 @@ class EdfPolicy(QueuePolicy):
 
     def peek(self, n: int) -> list[QueueEntry]:
         out: list[QueueEntry] = []
-        for p in _PRIORITY_ORDER:
+        for p in self._classes_for_batch():
             if len(out) >= n:
                 break
             out.extend(self._classes[p].peek(n - len(out)))

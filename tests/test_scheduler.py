@@ -57,7 +57,7 @@ def item(
     )
 
 
-def make(policy: str = "edf", clock: FakeClock | None = None, **cfg: object) -> Scheduler:
+def make(policy: str | EdfPolicy = "edf", clock: FakeClock | None = None, **cfg: object) -> Scheduler:
     return Scheduler(SchedulerConfig(**cfg), policy=policy, clock=clock or FakeClock())  # type: ignore[arg-type]
 
 
@@ -128,7 +128,7 @@ def test_earliest_deadline_first_within_a_class() -> None:
 
 
 def test_premium_goes_ahead_of_earlier_deadlines_in_its_class_only() -> None:
-    sched = make()
+    sched = make(policy=EdfPolicy(realtime_alone=False))
     sched.offer(item("std-early", deadline_in=50))
     sched.offer(item("free-early", tier=Tier.FREE, deadline_in=60))
     sched.offer(item("prem-late", tier=Tier.PREMIUM, deadline_in=900))
@@ -137,12 +137,21 @@ def test_premium_goes_ahead_of_earlier_deadlines_in_its_class_only() -> None:
 
 
 def test_strict_priority_across_classes_regardless_of_deadlines() -> None:
-    sched = make()
+    sched = make(policy=EdfPolicy(realtime_alone=False))
     sched.offer(item("off", priority=Priority.OFFLINE, deadline_in=None))
     sched.offer(item("batch", priority=Priority.BATCH, deadline_in=1))
     sched.offer(item("inter", priority=Priority.INTERACTIVE, deadline_in=300))
     sched.offer(item("rt", priority=Priority.REALTIME, deadline_in=199))
     assert ids(sched.pop_batch(T0).items) == ["rt", "inter", "batch", "off"]
+
+
+def test_a_batch_with_realtime_items_holds_nothing_else() -> None:
+    sched = make()
+    sched.offer(item("inter", priority=Priority.INTERACTIVE, deadline_in=300))
+    sched.offer(item("rt", priority=Priority.REALTIME, deadline_in=199))
+    sched.offer(item("batch", priority=Priority.BATCH, deadline_in=1000))
+    assert ids(sched.pop_batch(T0).items) == ["rt"]
+    assert ids(sched.pop_batch(T0).items) == ["inter", "batch"]
 
 
 def test_batch_is_cut_to_the_limit_and_the_rest_stays_in_order() -> None:
@@ -289,7 +298,7 @@ def test_flush_ignores_deadlines_of_items_the_next_batch_will_not_take() -> None
 
 
 def test_reject_policy_hands_back_expired_items_and_serves_the_rest() -> None:
-    sched = make()
+    sched = make(policy=EdfPolicy(realtime_alone=False))
     sched.offer(item("gone", priority=Priority.REALTIME, deadline_in=100))
     sched.offer(item("edge", priority=Priority.REALTIME, deadline_in=150))
     sched.offer(item("ok", priority=Priority.INTERACTIVE, deadline_in=500))
