@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench.common import (
+    BANKING_WORDS,
     BENCH_DIR,
     BenchDeployment,
     BenchEnv,
@@ -45,20 +46,6 @@ LONG_DEADLINES = {
     "deadline_interactive_ms": 600_000,
     "deadline_batch_ms": 600_000,
 }
-_WORDS = (
-    "card",
-    "fee",
-    "transfer",
-    "balance",
-    "pin",
-    "refund",
-    "account",
-    "limit",
-    "cash",
-    "app",
-    "rate",
-    "travel",
-)
 
 
 @dataclass(frozen=True)
@@ -91,7 +78,7 @@ def model_folder(params_target: int | None) -> Path:
 
 def prompt(arm: str, i: int) -> str:
     """A distinct, realistic-length prompt (never an exact or near repeat of another)."""
-    w = _WORDS
+    w = BANKING_WORDS
     return f"{arm} question {i}: what is the {w[i % 12]} {w[(i // 12) % 12]} for order {i * 7919 % 100003}?"
 
 

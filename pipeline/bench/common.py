@@ -45,6 +45,22 @@ BASE_ENV: dict[str, str] = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 
+#: words the benchmarks build distinct synthetic questions from
+BANKING_WORDS = (
+    "card",
+    "fee",
+    "transfer",
+    "balance",
+    "pin",
+    "refund",
+    "account",
+    "limit",
+    "cash",
+    "app",
+    "rate",
+    "travel",
+)
+
 
 class BenchError(SurgeError):
     """A benchmark could not run (missing data, a worker that did not start, lost replies)."""

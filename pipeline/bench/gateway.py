@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench.common import (
+    BANKING_WORDS,
     BASE_ENV,
     BenchEnv,
     BenchError,
@@ -39,20 +40,6 @@ LONG_DEADLINES = {
     "deadline_interactive_ms": 60_000,
     "deadline_batch_ms": 60_000,
 }
-_TOPICS = (
-    "card",
-    "fee",
-    "transfer",
-    "balance",
-    "pin",
-    "refund",
-    "account",
-    "limit",
-    "cash",
-    "app",
-    "rate",
-    "travel",
-)
 
 
 @dataclass(frozen=True)
@@ -80,7 +67,7 @@ class HttpResult:
 
 
 def body(arm: str, i: int) -> dict[str, Any]:
-    t = _TOPICS
+    t = BANKING_WORDS
     text = f"Question {i} from {arm}: how do I check the {t[i % 12]} {t[(i // 12) % 12]} on order {i * 7919 % 1000003}?"
     return {
         "model": "faq",
