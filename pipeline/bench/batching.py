@@ -60,7 +60,7 @@ class Plan:
 
 
 FULL = Plan(
-    50_000_000, 16, rounds=3, surge_per_round=96, b1_per_round=20, limit_batches_per_round=5, timeout_s=120
+    50_000_000, 16, rounds=2, surge_per_round=192, b1_per_round=24, limit_batches_per_round=6, timeout_s=180
 )
 QUICK = Plan(None, 8, rounds=1, surge_per_round=48, b1_per_round=12, limit_batches_per_round=2, timeout_s=60)
 
@@ -205,12 +205,12 @@ def run(
         "throughput_ratio_surge_vs_b1": vs_b1,
         "throughput_ratio_surge_vs_limit": vs_limit,
         "targets": [
-            target("throughput surge/batch-of-one", vs_b1, ">=", 1.0),
-            target("throughput surge/limit", vs_limit, ">=", 0.8),
+            target("throughput surge/batch-of-one", vs_b1, ">=", 4.0),
+            target("throughput surge/limit", vs_limit, ">=", 0.85),
         ],
         "notes": "closed loop at concurrency 2*BATCH; latency is send-to-reply as the client sees it. "
-        "DESIGN.md sets no number for this scenario: the targets are this benchmark's own "
-        "(batching must beat one call per request, and come within 80% of the model's own limit).",
+        "Targets (the batching issue): at least 4x the batch-size-one arm and at least 85% of the "
+        "model's own batched throughput outside the pipeline.",
     }
     return finish(
         "batching", result, json_path, plot_path,

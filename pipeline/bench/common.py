@@ -303,6 +303,9 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": "surge " + " ".join(sys.argv[1:])
+        if sys.argv[0].endswith(("cli.py", "surge"))
+        else " ".join(sys.argv),
     }
 
 
