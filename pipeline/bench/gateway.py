@@ -217,9 +217,8 @@ def run(
         ],
         "notes": "both arms use the FAQ answerer with one torch thread; requests/s counts HTTP 200 replies "
         "over the time the senders ran; status 0 = connection error or client timeout. Merging and caching "
-        "are off in the surge arm: every prompt is distinct, and with the cache on, answer-cache writes "
-        "failed (faust changelog send: TypeError 'NoneType' object is not iterable in aiokafka "
-        "_partition) once the worker replied to the gateway's own reply topic, failing whole batches.",
+        "are off in the surge arm: every prompt is distinct, so neither could serve anything, and the "
+        "comparison is micro-batching behind an async gateway against one model call per thread.",
     }  # fmt: skip
     return finish(
         "gateway", result, json_path, plot_path,
