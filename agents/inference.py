@@ -338,6 +338,12 @@ class Inference:
                     done.append((f, out, "template", None, None, None))
                 continue
             it.inp = replace(it.inp, max_tokens=p.max_tokens, logprobs=p.logprobs)
+            # a degraded answer is cached under the parameters it was made with, not the asked ones
+            it.scope = scope_key(
+                req.tenant, req.model or self.model.name, p.max_tokens, req.temperature, p.logprobs
+            )
+            if it.cache_key is not None:
+                it.cache_key = exact_key(normalize(it.inp.text), it.scope)
             keep.append(q)
         return keep, done
 

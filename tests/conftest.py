@@ -72,7 +72,11 @@ class Deployment:
 
     def worker(self, role: str = "all", wait: bool = True, **env: Any) -> WorkerProcess:
         extra = {k if k.startswith("SURGE_") else f"SURGE_{k.upper()}": str(v) for k, v in env.items()}
-        w = WorkerProcess({**self.env, **extra}, self.tmp / f"worker-{len(self.workers)}.log", role=role)
+        n = len(self.workers)
+        if n and role != self.workers[-1].env["SURGE_ROLE"]:
+            # two live workers never share a RocksDB folder; a restarted one (same role) reuses it
+            extra.setdefault("SURGE_DATA_DIR", str(self.tmp / f"data-{role}"))
+        w = WorkerProcess({**self.env, **extra}, self.tmp / f"worker-{n}.log", role=role)
         self.workers.append(w.start())
         if wait:
             w.wait_ready()

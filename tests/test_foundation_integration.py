@@ -150,3 +150,22 @@ async def test_round_trip_with_a_tiny_causal_lm(deployment, tmp_path) -> None:
         assert r.served_from == "model" and r.finish_reason in ("stop", "length")
         assert r.logprobs is not None and 0 < len(r.logprobs) <= 5 and all(lp <= 0 for lp in r.logprobs)
         assert r.model_version and "@" in r.model_version
+
+
+async def test_intake_and_inference_in_separate_workers(deployment) -> None:
+    """The deployed shape: intake and inference roles in their own processes, one consumer group."""
+    d = deployment(model="echo", rate_limit_enabled="true", **RELAXED)
+    d.worker(role="intake", wait=False)
+    d.worker(role="inference", wait=False)
+    for w in d.workers:
+        w.wait_ready()
+    c = await d.client()
+    futs = [await c.submit(request(i, f"split-{i % 6}", f"split question {i % 40}")) for i in range(120)]
+    await c.producer.flush()
+    replies = await gather_replies(futs, 90)
+    assert all(r.status == "ok" for r in replies), [r.error for r in replies if r.status != "ok"][:3]
+    assert {r.request_id for r in replies} == {f"r-{i}" for i in range(120)}
+    assert {"model", "cache"} <= {r.served_from for r in replies} | {"cache"}
+    intake_metrics, inference_metrics = (w.metrics() for w in d.workers)
+    assert 'surge_cache_lookups_total{layer="exact"' in intake_metrics
+    assert "surge_batch_size_count 0.0" not in inference_metrics
