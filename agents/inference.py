@@ -131,6 +131,7 @@ class Inference:
         await loop.run_in_executor(self.model_pool, self.model.load)
         if self.template_model is not None and self.template_model is not self.model:
             await loop.run_in_executor(self.model_pool, self.template_model.load)
+        await loop.run_in_executor(self.model_pool, self._warm_up)
         if self.cache is not None:
             self.cache.sync()
             # the answers table picks changelog partitions with the producer's partitioner, which
@@ -141,6 +142,19 @@ class Inference:
                 await producer._ensure_producer().partitions_for(topic)
         self.ready.set()
         log.info("inference ready: model %s version %s", self.model.name, self.model.version)
+
+    def _warm_up(self) -> None:
+        """One tiny call through each model and the embedder, so the first real batch is not the
+        one that pays for lazy initialisation (and misses a real-time deadline)."""
+        probe = ModelInput(messages=(ChatMessage("user", "warm up"),), max_tokens=1)
+        try:
+            self.model.infer([probe])
+            if self.template_model is not None:
+                self.template_model.template_answer(probe)
+            if self.embedder is not None:
+                self.embedder.embed(["warm up"])
+        except Exception:  # a failing warm-up is the first batch's problem, not the worker's
+            log.exception("warm-up call failed")
 
     def status(self) -> dict[str, object]:
         """What /status shows: queue depths, paused topics, open leaders, model calls."""
