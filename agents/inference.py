@@ -22,6 +22,7 @@ import numpy as np
 from faust.types import EventT
 from pydantic import ValidationError
 
+from agents.exceptions import WorkItemError
 from agents.runtime import Runtime, ack_after, event_context
 from models.base import ChatMessage, ModelBackend, ModelInput, ModelOutput
 from models.embedder import Embedder
@@ -58,6 +59,15 @@ class Pending:
     @property
     def req_id(self) -> str:
         return self.work.request.request_id
+
+
+def decode_work_item(event: EventT) -> WorkItem:
+    """The WorkItem in a work-topic record, or :class:`WorkItemError`."""
+    msg = event.message
+    try:
+        return WorkItem.model_validate_json(msg.value)
+    except (ValidationError, ValueError, TypeError) as exc:
+        raise WorkItemError(msg.topic, msg.partition, msg.offset, str(exc)[:500]) from exc
 
 
 class _Observer(BatchObserver):
@@ -182,9 +192,9 @@ class Inference:
             await self.batcher.wait_admit(prio)
             self._blocked.discard(priority)
         try:
-            work = WorkItem.model_validate_json(event.message.value)
-        except (ValidationError, ValueError, TypeError) as exc:
-            fut = await self.rt.deadletter(event, "invalid_work_item", f"undecodable work item: {exc}")
+            work = decode_work_item(event)
+        except WorkItemError as exc:
+            fut = await self.rt.deadletter(event, "invalid_work_item", exc.message)
             self._ack_later(stream, [event], [fut])
             return
         req = work.request

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from collections import defaultdict
 
 import pytest
@@ -169,3 +172,41 @@ async def test_intake_and_inference_in_separate_workers(deployment) -> None:
     intake_metrics, inference_metrics = (w.metrics() for w in d.workers)
     assert 'surge_cache_lookups_total{layer="exact"' in intake_metrics
     assert "surge_batch_size_count 0.0" not in inference_metrics
+
+
+async def test_surge_send_and_tail_from_the_command_line(deployment) -> None:
+    d = deployment(model="echo", **RELAXED)
+    d.worker()
+    env = {**os.environ, **d.env}
+    tail = subprocess.Popen(  # noqa: ASYNC220 - starting it does not block; its output is read in a thread
+        [sys.executable, "-m", "pipeline.cli", "tail", "--from-beginning"], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        sent = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "pipeline.cli", "send", "how do I close my account", "--user", "cli-1",
+             "--request-id", "cli-req-1", "--priority", "realtime"],
+            env=env, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert sent.returncode == 0, sent.stderr
+        reply = json.loads(sent.stdout)
+        assert reply["request_id"] == "cli-req-1" and reply["status"] == "ok"
+        assert reply["answer"] == "how do I close my account"
+        line = await asyncio.wait_for(asyncio.to_thread(tail.stdout.readline), 60)  # type: ignore[union-attr]
+        assert json.loads(line)["request_id"] == "cli-req-1"
+    finally:
+        tail.terminate()
+        tail.wait(10)
+
+
+async def test_a_foreign_record_on_a_work_topic_is_dead_lettered(deployment) -> None:
+    d = deployment(model="echo", **RELAXED)
+    d.worker()
+    c = await d.client()
+    await c.producer.send_and_wait(d.topics.work("interactive"), key=b"x", value=b'{"not": "a work item"}')
+    reply = await c.request(request("after-foreign", "x", "still served"), 60)
+    assert reply.status == "ok"
+    dls = [DeadLetter.model_validate_json(r.value) for r in await d.read_topic(d.topics.deadletter, 1)]
+    assert [dl.reason for dl in dls] == ["invalid_work_item"]
+    assert f"{d.topics.work('interactive')}[" in dls[0].message
