@@ -144,8 +144,7 @@ def run(
     plan = QUICK if quick else FULL
     with BenchEnv("gateway", broker=broker) as env:
         d = env.deployment(
-            # distinct prompts: nothing to merge or cache. The cache is also off because a worker whose
-            # replies go to a topic created after it started fails its answer-cache writes (see notes).
+            # distinct prompts: nothing to merge or cache, so both are off and only batching is compared
             "surge",
             model="faq",
             dedup_enabled=False,
