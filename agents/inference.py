@@ -12,21 +12,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import faust
-import numpy as np
 from faust.types import EventT
 from pydantic import ValidationError
 
 from agents.exceptions import WorkItemError
-from agents.runtime import Runtime, ack_after, event_context
+from agents.outcomes import Outcome, Pending, ReplyWriter
+from agents.runtime import Runtime, event_context
 from models.base import ChatMessage, ModelBackend, ModelInput, ModelOutput
 from models.embedder import Embedder
-from models.exceptions import ModelError
 from pipeline.admin import changelog_topics
 from pipeline.batcher import AsyncBatcher, BatchObserver
 from pipeline.cache import AnswerCache, CachedAnswer
@@ -35,30 +33,11 @@ from pipeline.degrade import DegradationController, DegradeConfig, MissRateWindo
 from pipeline.exceptions import DeadlineExceededError, OverloadedError, SurgeError
 from pipeline.isolation import RetryPolicy, run_isolated
 from pipeline.merge import MergeRegistry
-from pipeline.records import InferenceReply, Timings, WorkItem, now_ms
+from pipeline.records import WorkItem, now_ms
 from pipeline.scheduler import DeadlinePolicy, Priority, QueuedItem, Scheduler, SchedulerConfig, Tier
 
 log = logging.getLogger("surge.inference")
 RANK = {p: i for i, p in enumerate(("realtime", "interactive", "batch", "offline"))}
-
-
-@dataclass
-class Pending:
-    """One request inside this worker, from admission to reply."""
-
-    stream: faust.StreamT
-    event: EventT
-    work: WorkItem
-    scope: str
-    inp: ModelInput
-    level: int = 0
-    vector: np.ndarray | None = None
-    cache_key: str | None = None
-    followers: list[tuple[Pending, float]] = field(default_factory=list)
-
-    @property
-    def req_id(self) -> str:
-        return self.work.request.request_id
 
 
 def decode_work_item(event: EventT) -> WorkItem:
@@ -128,6 +107,7 @@ class Inference:
         self.model_pool = ThreadPoolExecutor(1, thread_name_prefix="surge-model")
         self.embed_pool = ThreadPoolExecutor(1, thread_name_prefix="surge-embed")
         self.retry = RetryPolicy()
+        self.replies = ReplyWriter(rt, model)
         self.ready = asyncio.Event()
         self._arrivals: list[Pending] = []
         self._arrived = asyncio.Event()
@@ -195,7 +175,7 @@ class Inference:
             work = decode_work_item(event)
         except WorkItemError as exc:
             fut = await self.rt.deadletter(event, "invalid_work_item", exc.message)
-            self._ack_later(stream, [event], [fut])
+            self.replies.ack_later(stream, [event], [fut])
             return
         req = work.request
         level = self.controller.level if self.rt.settings.degrade_enabled else 0
@@ -209,7 +189,9 @@ class Inference:
         scope = scope_key(req.tenant, req.model or self.model.name, p.max_tokens, req.temperature, p.logprobs)
         pending = Pending(stream, event, work, scope, inp, level=p.level_applied)
         if p.use_template and self.template_model is not None:
-            await self._finish([(pending, self._template(pending), "template", None, None)], batch_size=0)
+            await self.replies.send(
+                [(pending, self._template(pending), "template", None, None)], batch_size=0
+            )
             return
         self._arrivals.append(pending)
         self._arrived.set()
@@ -238,18 +220,18 @@ class Inference:
                 )
                 for row, i in enumerate(want):
                     items[i].vector = vecs[row]
-            done: list[tuple[Pending, ModelOutput | ModelError, str, str | None, float | None]] = []
+            done: list[Outcome] = []
             for it in items:
                 try:
                     with event_context(it.event):
                         await self._route(it, done)
                 except Exception as exc:
                     log.exception("routing %s failed", it.req_id)
-                    done.append((it, SurgeError(f"internal error: {exc!r}"), "internal", None, None, None))
+                    done.append(Outcome.error(it, SurgeError(f"internal error: {exc!r}")))
             if done:
-                await self._finish(done, batch_size=0)
+                await self.replies.send(done, batch_size=0)
 
-    async def _route(self, it: Pending, done: list[Any]) -> None:
+    async def _route(self, it: Pending, done: list[Outcome]) -> None:
         s, m = self.rt.settings, self.rt.metrics
         req = it.work.request
         use_cache = s.cache_enabled and req.cache and self.cache is not None
@@ -270,7 +252,7 @@ class Inference:
             if found is not None:
                 entry, sim = found
                 out = ModelOutput(entry.answer, entry.finish_reason)
-                done.append((it, out, "cache", entry.request_id, sim, entry.model_version))
+                done.append(Outcome(it, out, "cache", entry.request_id, sim, entry.model_version))
                 return
         if s.dedup_enabled and req.cache:
             joined = self.merges.find(it.scope, it.inp.text, it.vector, RANK[it.work.priority])
@@ -286,7 +268,7 @@ class Inference:
         try:
             self.batcher.put(item)
         except OverloadedError as exc:
-            done.append((it, exc, "overloaded", None, None, None))
+            done.append(Outcome.error(it, exc))
             return
         if s.dedup_enabled and req.cache:
             self.merges.open(req.request_id, it.scope, it.inp.text, it.vector, RANK[it.work.priority])
@@ -298,7 +280,7 @@ class Inference:
         while True:
             batch = await self.batcher.next_batch()
             now = now_ms()
-            done: list[Any] = []
+            done: list[Outcome] = []
             for q in batch.expired:
                 it: Pending = q.payload
                 late = int(now - (q.deadline_at_ms or now))
@@ -306,20 +288,18 @@ class Inference:
                 err = DeadlineExceededError(deadline, late, str(q.priority))
                 self.rt.metrics.deadline_missed.labels(priority=str(q.priority)).inc()
                 self.misses.record(True, now)
-                done.append((it, err, "deadline", None, None, None))
+                done.append(Outcome.error(it, err))
                 for f, _ in self.merges.close(it.req_id):
-                    done.append((f, err, "deadline", None, None, None))
+                    done.append(Outcome.error(f, err))
             if done:
-                await self._finish(done, batch_size=0)
+                await self.replies.send(done, batch_size=0)
             if batch.items:
                 try:
                     await self._run(batch.items, batch.limit)
                 except Exception as exc:
                     log.exception("batch of %d failed", len(batch.items))
                     err = SurgeError(f"internal error: {exc!r}")
-                    await self._finish(
-                        [(q.payload, err, "internal", None, None, None) for q in batch.items], batch_size=0
-                    )
+                    await self.replies.send([Outcome.error(q.payload, err) for q in batch.items])
             self._observe_pressure()
 
     def _observe_pressure(self) -> None:
@@ -329,7 +309,7 @@ class Inference:
         level = self.controller.observe(self.scheduler.depth(), self.misses.miss_rate(now), now)
         self.rt.metrics.degradation_level.set(level)
 
-    def _degrade_queued(self, items: list[QueuedItem]) -> tuple[list[QueuedItem], list[Any]]:
+    def _degrade_queued(self, items: list[QueuedItem]) -> tuple[list[QueuedItem], list[Outcome]]:
         """Apply the current degradation level to popped items (they may have queued at a lower one).
 
         Returns the items still to run and the template answers (with their followers) to send.
@@ -338,7 +318,8 @@ class Inference:
         level = self.controller.level if s.degrade_enabled else 0
         if level == 0:
             return items, []
-        keep, done = [], []
+        keep: list[QueuedItem] = []
+        done: list[Outcome] = []
         for q in items:
             it: Pending = q.payload
             req = it.work.request
@@ -356,10 +337,10 @@ class Inference:
             it.level = p.level_applied
             if p.use_template and self.template_model is not None:
                 out = self._template(it)
-                done.append((it, out, "template", None, None, None))
+                done.append(Outcome(it, out, "template"))
                 for f, _ in self.merges.close(it.req_id):
                     f.level = p.level_applied
-                    done.append((f, out, "template", None, None, None))
+                    done.append(Outcome(f, out, "template"))
                 continue
             it.inp = replace(it.inp, max_tokens=p.max_tokens, logprobs=p.logprobs)
             # a degraded answer is cached under the parameters it was made with, not the asked ones
@@ -375,7 +356,7 @@ class Inference:
         loop = asyncio.get_running_loop()
         items, templated = self._degrade_queued(items)
         if templated:
-            await self._finish(templated, batch_size=0)
+            await self.replies.send(templated, batch_size=0)
         if not items:
             return
         pend: list[Pending] = [q.payload for q in items]
@@ -397,16 +378,20 @@ class Inference:
         self.model_calls += len(calls)
         self.batcher.record_batch(len(pend), seconds)
         m.model_inference_latency.labels(model_version=self.model.version).observe(seconds)
-        done: list[Any] = []
+        done: list[Outcome] = []
         for p, res in zip(pend, results, strict=True):
-            done.append((p, res, "model", None, None, None))
+            done.append(Outcome(p, res, "model") if isinstance(res, ModelOutput) else Outcome.error(p, res))
             followers = self.merges.close(p.req_id)
             for f, sim in followers:
                 m.merged.inc()
-                done.append((f, res, "merged", p.req_id, sim, None))
+                done.append(
+                    Outcome(f, res, "merged", p.req_id, sim)
+                    if isinstance(res, ModelOutput)
+                    else Outcome.error(f, res)
+                )
             if isinstance(res, ModelOutput) and p.cache_key and self.cache is not None:
                 self._store(p, res)
-        await self._finish(done, batch_size=len(pend), inference_ms=seconds * 1000)
+        await self.replies.send(done, batch_size=len(pend), inference_ms=seconds * 1000)
 
     def _store(self, p: Pending, res: ModelOutput) -> None:
         """Put a model answer in the shared cache; a cache failure never costs the reply."""
@@ -428,50 +413,6 @@ class Inference:
         out = self.template_model.template_answer(p.inp)
         return out or ModelOutput("We are very busy right now; please try again shortly.", "template")
 
-    async def _finish(self, done: list[Any], *, batch_size: int, inference_ms: float | None = None) -> None:
-        """Send one reply per entry (in order), then ack each record once its reply is on the broker."""
-        by_stream: dict[int, tuple[faust.StreamT, list[EventT], list[Awaitable[Any]]]] = {}
-        for entry in done:
-            p, res, source, merged_into, sim = entry[:5]
-            version = entry[5] if len(entry) > 5 and entry[5] else self.model.version
-            fut = await self._reply(p, res, source, merged_into, sim, version, batch_size, inference_ms)
-            slot = by_stream.setdefault(id(p.stream), (p.stream, [], []))
-            slot[1].append(p.event)
-            slot[2].append(fut)
-        for stream, events, futs in by_stream.values():
-            self._ack_later(stream, events, futs)
-
-    async def _reply(
-        self, p: Pending, res: Any, source: str, merged_into: str | None, sim: float | None,
-        version: str, batch_size: int, inference_ms: float | None,
-    ) -> Awaitable[Any]:  # fmt: skip
-        w, req = p.work, p.work.request
-        now = now_ms()
-        timings = Timings(
-            queued_ms=max(0, now - w.arrival_ms - (inference_ms or 0)), inference_ms=inference_ms,
-            total_ms=max(0, now - w.created_at_ms), batch_size=batch_size or None,
-        )  # fmt: skip
-        if isinstance(res, ModelOutput):
-            served = {"model": "model", "cache": "cache", "merged": "merged", "template": "template"}[source]
-            reply = InferenceReply(
-                request_id=req.request_id, user_id=req.user_id, status="ok", answer=res.answer,
-                finish_reason=res.finish_reason,  # type: ignore[arg-type]
-                logprobs=res.logprobs if p.inp.logprobs else None, served_from=served,  # type: ignore[arg-type]
-                merged_into=merged_into, similarity=round(sim, 4) if sim is not None else None,
-                degradation_level=p.level, model_version=version, priority=w.priority, timings=timings,
-            )  # fmt: skip
-            return await self.rt.reply(reply, w.reply_to, w.created_at_ms)
-        code = getattr(res, "code", "internal")
-        return await self.rt.error_reply(
-            request_id=req.request_id, user_id=req.user_id, reply_to=w.reply_to, code=code,
-            message=getattr(res, "message", str(res)), priority=w.priority,
-            retry_after_ms=getattr(res, "retry_after_ms", None), created_at_ms=w.created_at_ms,
-            degradation_level=p.level, timings=timings,
-        )  # fmt: skip
-
-    def _ack_later(self, stream: faust.StreamT, events: list[EventT], futs: list[Awaitable[Any]]) -> None:
-        self.rt.app.loop.create_task(ack_after(stream, events, futs))
-
 
 def register(rt: Runtime, inf: Inference) -> None:
     """Declare the four work-topic readers and the background loops on ``rt.app``."""
@@ -486,7 +427,7 @@ def register(rt: Runtime, inf: Inference) -> None:
                     except Exception as exc:
                         log.exception("inference admit failed")
                         fut = await rt.deadletter(event, "internal", f"internal error: {exc!r}")
-                        inf._ack_later(s, [event], [fut])
+                        inf.replies.ack_later(s, [event], [fut])
 
             reader.__name__ = f"inference_{prio}"
             return reader

@@ -1,0 +1,107 @@
+"""What happens to each request in the inference worker, and how it becomes a reply.
+
+A :class:`Pending` is one request from admission to reply; an :class:`Outcome` is what it got (an
+answer or an error, and where the answer came from); :class:`ReplyWriter` turns outcomes into
+replies, in order, and acks each source record once its reply is on the broker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import faust
+import numpy as np
+from faust.types import EventT
+
+from agents.runtime import Runtime, ack_after
+from models.base import ModelBackend, ModelInput, ModelOutput
+from pipeline.exceptions import SurgeError
+from pipeline.records import InferenceReply, Timings, WorkItem, now_ms
+
+Source = Literal["model", "cache", "merged", "template", "error"]
+
+
+@dataclass
+class Pending:
+    """One request inside this worker, from admission to reply."""
+
+    stream: faust.StreamT
+    event: EventT
+    work: WorkItem
+    scope: str
+    inp: ModelInput
+    level: int = 0
+    vector: np.ndarray | None = None
+    cache_key: str | None = None
+    followers: list[tuple[Pending, float]] = field(default_factory=list)
+
+    @property
+    def req_id(self) -> str:
+        return self.work.request.request_id
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """The answer (or error) one request gets; ``merged_into``/``similarity`` for merged and cached."""
+
+    pending: Pending
+    result: ModelOutput | SurgeError
+    source: Source
+    merged_into: str | None = None
+    similarity: float | None = None
+    model_version: str | None = None
+
+    @classmethod
+    def error(cls, pending: Pending, err: SurgeError) -> Outcome:
+        return cls(pending, err, "error")
+
+
+class ReplyWriter:
+    """Sends replies for outcomes; the model's version is stamped where an outcome has none."""
+
+    def __init__(self, rt: Runtime, model: ModelBackend) -> None:
+        self.rt = rt
+        self.model = model  # its version is known only after load()
+
+    async def send(
+        self, outcomes: Sequence[Outcome], *, batch_size: int = 0, inference_ms: float | None = None
+    ) -> None:
+        """One reply per outcome, enqueued in order; each record is acked once its reply is acked."""
+        by_stream: dict[int, tuple[faust.StreamT, list[EventT], list[Awaitable[Any]]]] = {}
+        for o in outcomes:
+            fut = await self._reply(o, batch_size, inference_ms)
+            slot = by_stream.setdefault(id(o.pending.stream), (o.pending.stream, [], []))
+            slot[1].append(o.pending.event)
+            slot[2].append(fut)
+        for stream, events, futs in by_stream.values():
+            self.ack_later(stream, events, futs)
+
+    def ack_later(self, stream: faust.StreamT, events: list[EventT], futs: list[Awaitable[Any]]) -> None:
+        self.rt.app.loop.create_task(ack_after(stream, events, futs))
+
+    async def _reply(self, o: Outcome, batch_size: int, inference_ms: float | None) -> Awaitable[Any]:
+        p = o.pending
+        w, req = p.work, p.work.request
+        now = now_ms()
+        timings = Timings(
+            queued_ms=max(0, now - w.arrival_ms - (inference_ms or 0)), inference_ms=inference_ms,
+            total_ms=max(0, now - w.created_at_ms), batch_size=batch_size or None,
+        )  # fmt: skip
+        res = o.result
+        if isinstance(res, ModelOutput):
+            reply = InferenceReply(
+                request_id=req.request_id, user_id=req.user_id, status="ok", answer=res.answer,
+                finish_reason=res.finish_reason,  # type: ignore[arg-type]
+                logprobs=res.logprobs if p.inp.logprobs else None, served_from=o.source,  # type: ignore[arg-type]
+                merged_into=o.merged_into, similarity=round(o.similarity, 4) if o.similarity is not None else None,
+                degradation_level=p.level, model_version=o.model_version or self.model.version,
+                priority=w.priority, timings=timings,
+            )  # fmt: skip
+            return await self.rt.reply(reply, w.reply_to, w.created_at_ms)
+        return await self.rt.error_reply(
+            request_id=req.request_id, user_id=req.user_id, reply_to=w.reply_to, code=res.code,
+            message=res.message, priority=w.priority, retry_after_ms=res.retry_after_ms,
+            created_at_ms=w.created_at_ms, degradation_level=p.level, timings=timings,
+        )  # fmt: skip
