@@ -31,6 +31,7 @@ from pipeline.bench.common import (
     BenchError,
     finish,
     latency_summary,
+    long_deadlines,
     progress,
     ratio,
     target,
@@ -41,11 +42,7 @@ from pipeline.client import SurgeClient
 
 #: largest batch (the HF backend's own default cap is 16 too)
 BATCH = 16
-LONG_DEADLINES = {
-    "deadline_realtime_ms": 600_000,
-    "deadline_interactive_ms": 600_000,
-    "deadline_batch_ms": 600_000,
-}
+LONG_DEADLINES = long_deadlines(600_000)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,12 @@ BASE_ENV: dict[str, str] = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 
+
+def long_deadlines(ms: int) -> dict[str, int]:
+    """Deadlines no arm reaches: for scenarios that measure throughput, not deadlines."""
+    return {f"deadline_{p}_ms": ms for p in ("realtime", "interactive", "batch")}
+
+
 #: words the benchmarks build distinct synthetic questions from
 BANKING_WORDS = (
     "card",

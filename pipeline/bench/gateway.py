@@ -29,17 +29,14 @@ from pipeline.bench.common import (
     HelperProcess,
     finish,
     latency_summary,
+    long_deadlines,
     progress,
     ratio,
     target,
 )
 from pipeline.broker import EmbeddedKafka, free_port
 
-LONG_DEADLINES = {
-    "deadline_realtime_ms": 60_000,
-    "deadline_interactive_ms": 60_000,
-    "deadline_batch_ms": 60_000,
-}
+LONG_DEADLINES = long_deadlines(60_000)
 
 
 @dataclass(frozen=True)

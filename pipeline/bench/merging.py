@@ -33,6 +33,7 @@ from pipeline.bench.common import (
     BenchError,
     finish,
     latency_summary,
+    long_deadlines,
     metric_delta,
     metric_sum,
     progress,
@@ -44,11 +45,7 @@ from pipeline.client import SurgeClient
 from pipeline.dedup import normalize
 
 DEFAULT_CSV = Path("../shared/data/banking77/train.csv")
-LONG_DEADLINES = {
-    "deadline_realtime_ms": 600_000,
-    "deadline_interactive_ms": 600_000,
-    "deadline_batch_ms": 600_000,
-}
+LONG_DEADLINES = long_deadlines(600_000)
 POLITE_BEFORE = ("Hi, ", "Hello, ", "Please, ", "Hey there, ", "Excuse me, ")
 POLITE_AFTER = (" please", " thanks", " thank you", " please help", " if you can")
 

@@ -25,6 +25,7 @@ from pipeline.bench.common import (
     HelperProcess,
     finish,
     latency_summary,
+    long_deadlines,
     progress,
     ratio,
     target,
@@ -45,11 +46,7 @@ class Plan:
 
 FULL = Plan(rounds=3, per_round=3000, concurrency=256, probe=200, timeout_s=60)
 QUICK = Plan(rounds=1, per_round=300, concurrency=64, probe=30, timeout_s=30)
-LONG_DEADLINES = {
-    "deadline_realtime_ms": 60_000,
-    "deadline_interactive_ms": 60_000,
-    "deadline_batch_ms": 60_000,
-}
+LONG_DEADLINES = long_deadlines(60_000)
 
 
 def requests(arm: str, tag: str, n: int) -> list[dict[str, Any]]:
