@@ -148,6 +148,7 @@ def run(
             cache_enabled=False,
             gateway_timeout_ms=120_000,
             queue_limit_per_class=4096,
+            max_batch_size=128,  # the FAQ answerer's own batch cap: 500 connections fill it
             **LONG_DEADLINES,
         )
         gw_port, sync_port = free_port(), free_port()
