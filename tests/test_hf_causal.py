@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,19 +14,7 @@ from models.base import ChatMessage, ModelInput
 from models.exceptions import ModelError, ModelLoadError
 from models.hf_causal import HFCausalLM
 from models.tiny import build_tiny_causal_lm
-
-
-def ask(text: str, **kw: object) -> ModelInput:
-    return ModelInput(messages=(ChatMessage("user", text),), **kw)  # type: ignore[arg-type]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """On a shared 2-core box, torch's spinning intra-op threads make tiny matmuls 10-100x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.model_helpers import ask, one_torch_thread  # noqa: F401 - an autouse fixture
 
 
 @pytest.fixture(scope="module")

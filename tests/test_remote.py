@@ -17,28 +17,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-from models.base import ChatMessage, ModelInput
 from models.exceptions import ModelError, ModelLoadError, TransientModelError
 from models.hf_causal import HFCausalLM
 from models.remote import RemoteOpenAIModel, RemoteStatusError, RemoteTransientError
+from tests.model_helpers import ask, one_torch_thread  # noqa: F401 - an autouse fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 STUB = ROOT / "tests" / "openai_stub_server.py"
-
-
-def ask(text: str, **kw: object) -> ModelInput:
-    return ModelInput(messages=(ChatMessage("user", text),), **kw)  # type: ignore[arg-type]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Same thread count as the server (OMP_NUM_THREADS=1): same numerics, and fast on a shared box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
