@@ -189,9 +189,7 @@ class Inference:
         scope = scope_key(req.tenant, req.model or self.model.name, p.max_tokens, req.temperature, p.logprobs)
         pending = Pending(stream, event, work, scope, inp, level=p.level_applied)
         if p.use_template and self.template_model is not None:
-            await self.replies.send(
-                [(pending, self._template(pending), "template", None, None)], batch_size=0
-            )
+            await self.replies.send([Outcome(pending, self._template(pending), "template")])
             return
         self._arrivals.append(pending)
         self._arrived.set()
@@ -361,11 +359,8 @@ class Inference:
             return
         pend: list[Pending] = [q.payload for q in items]
         now = now_ms()
-        for q in items:
+        for _ in items:
             self.misses.record(False, now)
-            leader = self.merges.get(q.item_id)
-            if leader is not None:
-                leader.in_flight = True
         m = self.rt.metrics
         m.batch_size.observe(len(pend))
         calls: list[int] = []

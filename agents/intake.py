@@ -27,6 +27,7 @@ from pipeline.records import (
     now_ms,
     salvage_ids,
 )
+from pipeline.scheduler import absolute_deadline_ms
 from pipeline.settings import Settings
 
 log = logging.getLogger("surge.intake")
@@ -43,10 +44,8 @@ def rate_limit_config(s: Settings) -> RateLimitConfig:
     )
 
 
-def deadline_at(req: InferenceRequest, created_at_ms: int, class_deadline_ms: int | None) -> int | None:
-    """Absolute deadline: the class deadline, shortened (never lengthened) by ``deadline_ms``."""
-    candidates = [d for d in (class_deadline_ms, req.deadline_ms) if d is not None]
-    return created_at_ms + min(candidates) if candidates else None
+def _int_or_none(value: float | None) -> int | None:
+    return None if value is None else int(value)
 
 
 def request_scope(req: InferenceRequest, model_name: str) -> str:
@@ -116,7 +115,7 @@ class Intake:
                 return
         item = WorkItem(
             request=req, priority=req.priority, tier=req.tier, reply_to=reply_to, created_at_ms=created,
-            arrival_ms=now_ms(), deadline_at_ms=deadline_at(req, created, s.deadline_ms(req.priority)),
+            arrival_ms=now_ms(), deadline_at_ms=_int_or_none(absolute_deadline_ms(created, s.deadline_ms(req.priority), req.deadline_ms)),
             cache_key=key,
         )  # fmt: skip
         futures.append(await rt.send(rt.topics.work(req.priority), req.user_id, encode(item)))

@@ -8,7 +8,7 @@ replies, in order, and acks each source record once its reply is on the broker.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import faust
@@ -35,7 +35,6 @@ class Pending:
     level: int = 0
     vector: np.ndarray | None = None
     cache_key: str | None = None
-    followers: list[tuple[Pending, float]] = field(default_factory=list)
 
     @property
     def req_id(self) -> str:

@@ -33,6 +33,8 @@ class Runtime:
     app: faust.App
     metrics: Metrics
     topics: TopicNames = field(init=False)
+    #: the inference agent's state, when this worker runs it (its readiness gates "worker ready")
+    inference: Any = None
     _topics: dict[str, faust.TopicT] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:

@@ -53,7 +53,7 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
         )
         inf = inference_agent.Inference(rt, model, template, embedder, cache)
         inference_agent.register(rt, inf)
-        rt.inference = inf  # type: ignore[attr-defined]
+        rt.inference = inf
 
         if cache is not None:
 
@@ -71,7 +71,7 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
 
     @app.page("/status")
     async def status(web: faust.web.Web, request: faust.web.Request) -> faust.web.Response:
-        inf = getattr(rt, "inference", None)
+        inf = rt.inference
         body: dict[str, object] = {"role": settings.role, "assigned": len(app.consumer.assignment())}
         if inf is not None:
             body.update(inf.status())

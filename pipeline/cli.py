@@ -62,7 +62,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     @app.task
     async def announce_ready() -> None:
-        inf = getattr(rt, "inference", None)
+        inf = rt.inference
         if inf is not None:
             await inf.ready.wait()
         while not app.consumer.assignment():  # noqa: ASYNC110 - Faust offers no assignment event here

@@ -5,9 +5,8 @@ request whose question is the same (exact normalised text, or embedding similari
 threshold with the lexical guard's consent) in the same scope. A follower makes no model call: it
 gets the leader's answer. A leader is open from the moment it is queued until its answer is out.
 
-A follower only joins a leader at least as urgent as itself (so a real-time request never waits
-behind a batch one), and never one that is already in flight when its own deadline is earlier than
-the leader's expected finish — the caller decides that through ``min_rank``.
+A follower only joins a leader at least as urgent as itself (its priority rank is not lower), so a
+real-time request never waits behind a batch one.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ class Leader:
     vector: np.ndarray | None
     rank: int  # priority rank: 0 realtime ... 3 offline
     followers: list[tuple[Any, float]] = field(default_factory=list)
-    in_flight: bool = False
 
 
 class MergeRegistry:

@@ -428,6 +428,13 @@ class _LazyMin:
         return heapq.heappop(self._heap)
 
 
+def absolute_deadline_ms(created_at_ms: float, class_ms: int | None, request_ms: int | None) -> float | None:
+    """The class deadline counted from ``created_at_ms``, shortened (never lengthened) by the
+    request's own ``deadline_ms``; None when neither sets one."""
+    budgets = [d for d in (class_ms, request_ms) if d is not None]
+    return created_at_ms + min(budgets) if budgets else None
+
+
 class Scheduler:
     """The inference queue and its batch window. Not thread-safe; call it from one event loop."""
 
@@ -467,9 +474,7 @@ class Scheduler:
         prio = Priority(priority)
         now = self.clock()
         created = now if created_at_ms is None else created_at_ms
-        class_ms = self.config.deadline_ms[prio]
-        budgets = [d for d in (class_ms, deadline_ms) if d is not None]
-        deadline_at = created + min(budgets) if budgets else None
+        deadline_at = absolute_deadline_ms(created, self.config.deadline_ms[prio], deadline_ms)
         return QueuedItem(
             item_id=item_id,
             user_id=user_id,

@@ -128,3 +128,11 @@ async def test_overload_degrades_low_classes_to_templates_but_never_realtime(dep
         )
         assert r.degradation_level == 0 or r.logprobs is None, "logprobs are dropped from level 1"
     assert "surge_degradation_level 3.0" in d.workers[0].metrics()
+    # arriving while level 3 holds (60 s cooldown): templated at admission, without queueing
+    late = [
+        await c.submit(request(f"late{i}", f"late-{i}", "How do I top up?", priority="batch"))
+        for i in range(5)
+    ]
+    await c.producer.flush()
+    late_replies = await asyncio.wait_for(asyncio.gather(*late), 60)
+    assert all(r.served_from == "template" and r.degradation_level == 3 for r in late_replies), late_replies
