@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 
-from pipeline.scheduler import PoppedBatch, Priority, QueuedItem, Scheduler
+from pipeline.scheduler import PoppedBatch, QueuedItem, Scheduler
+from pipeline.terms import Priority
 
 
 class BatchObserver:

@@ -1,4 +1,4 @@
-"""Degradation under overload (DESIGN.md "Degradation").
+"""Degradation under overload (docs/architecture.md, "Degradation").
 
 :class:`DegradationController` turns two pressure signals, the inference queue depth per worker and
 the deadline-miss rate (from :class:`MissRateWindow`), into a level 0-3 with hysteresis: it steps up
@@ -10,7 +10,7 @@ pressure has stayed below the lower "down" thresholds for ``cooldown_ms``.
 | level | effect |
 |---|---|
 | 1 | logprobs are not computed |
-| 2 | max_tokens is capped (256 by default) |
+| 2 | max_tokens is capped (``DEFAULT_MAX_TOKENS_CAP`` by default) |
 | 3 | ``batch``/``offline`` requests and ``interactive`` ones from the ``free`` tier get the template |
 
 ``realtime`` requests are never degraded past level 2. Time is epoch ms passed in by the caller.
@@ -24,10 +24,18 @@ from collections import deque
 from dataclasses import dataclass
 
 from pipeline.exceptions import InvalidRequestError, SettingsError
+from pipeline.terms import PRIORITIES, TIERS, Priority, Tier
 
 MAX_LEVEL = 3
-PRIORITIES: tuple[str, ...] = ("realtime", "interactive", "batch", "offline")
-TIERS: tuple[str, ...] = ("free", "standard", "premium")
+
+#: Defaults of :class:`DegradeConfig`, defined here once; the ``degrade_*`` fields of ``Settings``
+#: take their defaults from these. Queue depths are items waiting per worker.
+DEFAULT_UP_QUEUE_DEPTH: tuple[float, float, float] = (64.0, 128.0, 256.0)
+DEFAULT_DOWN_QUEUE_DEPTH: tuple[float, float, float] = (32.0, 96.0, 192.0)
+DEFAULT_UP_MISS_RATE: tuple[float, float, float] = (0.02, 0.10, 0.25)
+DEFAULT_DOWN_MISS_RATE: tuple[float, float, float] = (0.01, 0.05, 0.15)
+DEFAULT_COOLDOWN_MS = 5_000.0
+DEFAULT_MAX_TOKENS_CAP = 256
 
 
 @dataclass(frozen=True)
@@ -41,13 +49,13 @@ class DegradeConfig:
     ``max_level`` (0-3) caps the level, e.g. 2 to never serve templates.
     """
 
-    up_queue_depth: tuple[float, float, float] = (8.0, 16.0, 32.0)
-    down_queue_depth: tuple[float, float, float] = (4.0, 10.0, 20.0)
-    up_miss_rate: tuple[float, float, float] = (0.02, 0.10, 0.25)
-    down_miss_rate: tuple[float, float, float] = (0.01, 0.05, 0.15)
-    cooldown_ms: float = 30_000.0
+    up_queue_depth: tuple[float, float, float] = DEFAULT_UP_QUEUE_DEPTH
+    down_queue_depth: tuple[float, float, float] = DEFAULT_DOWN_QUEUE_DEPTH
+    up_miss_rate: tuple[float, float, float] = DEFAULT_UP_MISS_RATE
+    down_miss_rate: tuple[float, float, float] = DEFAULT_DOWN_MISS_RATE
+    cooldown_ms: float = DEFAULT_COOLDOWN_MS
     max_level: int = MAX_LEVEL
-    max_tokens_cap: int = 256
+    max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP
 
     def __post_init__(self) -> None:
         pairs = {
@@ -78,7 +86,7 @@ class DegradeConfig:
 
 
 class DegradationController:
-    """The level in force. One per inference worker; fed by a periodic tick (e.g. every second).
+    """The level in force. One per inference worker, fed the current signals by the inference agent.
 
     :meth:`observe` is called with the current signals; the caller publishes the returned level on
     the ``surge_degradation_level`` gauge and passes it to :func:`plan` for each request it serves.
@@ -151,9 +159,16 @@ class DegradePlan:
 
 
 def plan(
-    level: int, priority: str, tier: str, max_tokens: int, logprobs: bool, *, max_tokens_cap: int = 256
+    level: int,
+    priority: str,
+    tier: str,
+    max_tokens: int,
+    logprobs: bool,
+    *,
+    max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
 ) -> DegradePlan:
-    """What ``level`` changes for one request; called by the inference agent before each model call.
+    """What ``level`` changes for one request; called by the inference agent when it admits a request
+    and again when the request's batch is popped (the level may have risen while it waited).
 
     ``level_applied`` is the level whose effects this request gets: a ``realtime`` request never
     more than 2, and a request that level 3 does not send to the template (``realtime``, and
@@ -165,7 +180,9 @@ def plan(
         raise InvalidRequestError(f"unknown priority {priority!r}; known: {', '.join(PRIORITIES)}")
     if tier not in TIERS:
         raise InvalidRequestError(f"unknown tier {tier!r}; known: {', '.join(TIERS)}")
-    templated = priority in ("batch", "offline") or (priority == "interactive" and tier == "free")
+    templated = priority in (Priority.BATCH, Priority.OFFLINE) or (
+        priority == Priority.INTERACTIVE and tier == Tier.FREE
+    )
     applied = level if level < 3 or templated else 2
     return DegradePlan(
         level_applied=applied,
@@ -178,8 +195,8 @@ def plan(
 class MissRateWindow:
     """Deadline hits and misses over the last ``window_ms``, in ``buckets`` time slices.
 
-    The inference agent calls :meth:`record` once per request served (missed: its deadline passed
-    before inference began or before its reply), and the controller's tick reads :meth:`miss_rate`.
+    The inference agent calls :meth:`record` once per request that leaves the queue (missed: its
+    deadline passed before inference began), and reads :meth:`miss_rate` to feed the controller.
     Counts are kept per slice, so memory stays constant at any rate; the window slides by one slice
     (``window_ms / buckets``) at a time. Below ``min_samples`` requests in the window the rate is
     0.0, so that one miss among a handful of requests does not throw the controller to level 3.

@@ -1,4 +1,4 @@
-"""Token buckets per user and per tenant (DESIGN.md "The path of a request", step 1).
+"""Token buckets per user and per tenant (docs/architecture.md, "The path of a request", intake).
 
 A bucket's whole state is a :class:`BucketState` of two floats, stored as a small JSON dict in a
 mapping that the intake agent provides (a RocksDB-backed Faust table keyed by user_id, so the bucket
@@ -14,9 +14,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from pipeline.exceptions import InvalidRequestError, RateLimitedError, SettingsError
+from pipeline.terms import TIERS  # defined there; still importable from here
 
 # Float rounding tolerances. Waiting exactly ``retry_after_ms`` must be enough even when
 # ``rate * elapsed`` lands a hair below the cost: retry_after is rounded up from (needed - 1e-6 ms),
@@ -70,16 +72,21 @@ class TierLimits:
             )
 
 
-#: the tiers a request may name (DESIGN.md "Records")
-TIERS: tuple[str, ...] = ("free", "standard", "premium")
+#: Defaults of :class:`RateLimitConfig`, defined here once; the ``user_rate_per_s_<tier>``,
+#: ``user_burst_<tier>``, ``tenant_rate_per_s`` and ``tenant_burst`` fields of ``Settings`` take
+#: their defaults from these.
+DEFAULT_USER_LIMITS: Mapping[str, TierLimits] = MappingProxyType(
+    {
+        "free": TierLimits(rate_per_s=2.0, burst=10.0),
+        "standard": TierLimits(rate_per_s=20.0, burst=50.0),
+        "premium": TierLimits(rate_per_s=100.0, burst=200.0),
+    }
+)
+DEFAULT_TENANT_LIMITS = TierLimits(rate_per_s=2000.0, burst=4000.0)
 
 
 def _default_user_limits() -> dict[str, TierLimits]:
-    return {
-        "free": TierLimits(rate_per_s=2.0, burst=5.0),
-        "standard": TierLimits(rate_per_s=10.0, burst=20.0),
-        "premium": TierLimits(rate_per_s=50.0, burst=100.0),
-    }
+    return dict(DEFAULT_USER_LIMITS)
 
 
 @dataclass(frozen=True)
@@ -90,7 +97,7 @@ class RateLimitConfig:
     """
 
     users: Mapping[str, TierLimits] = field(default_factory=_default_user_limits)
-    tenant: TierLimits = field(default_factory=lambda: TierLimits(rate_per_s=500.0, burst=1000.0))
+    tenant: TierLimits = DEFAULT_TENANT_LIMITS
     tenant_overrides: Mapping[str, TierLimits] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Record formats of DESIGN.md "Records": JSON, UTF-8, validated with pydantic.
+"""The record formats (docs/architecture.md, "Records"): JSON, UTF-8, validated with pydantic.
 
 Decoding never raises anything but :class:`InvalidRequestError`, whose message says what was
 wrong and what the limit is; :func:`salvage_ids` recovers ``request_id``/``user_id`` from a record
@@ -16,9 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.exceptions import InvalidRequestError
+from pipeline.terms import Priority, Tier  # defined there; still importable from here
 
-Priority = Literal["realtime", "interactive", "batch", "offline"]
-Tier = Literal["free", "standard", "premium"]
 Id = Annotated[str, Field(min_length=1, max_length=128)]
 _TOPIC_RE = re.compile(r"[A-Za-z0-9._-]+")
 
@@ -43,8 +42,8 @@ class InferenceRequest(BaseModel):
     request_id: Id
     user_id: Id
     tenant: Annotated[str, Field(min_length=1, max_length=128)] = "default"
-    tier: Tier = "standard"
-    priority: Priority = "interactive"
+    tier: Tier = Tier.STANDARD
+    priority: Priority = Priority.INTERACTIVE
     messages: list[Message] | None = None
     prompt: str | None = None
     max_tokens: Annotated[int, Field(ge=1, le=4096, strict=True)] = 256

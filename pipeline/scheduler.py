@@ -8,11 +8,15 @@ epoch milliseconds from an injectable clock, so tests drive it with a fake one.
 The life of an item (modelled on vLLM v1's scheduler: the engine loop calls in, the scheduler never
 calls out):
 
-1. the agent asks ``can_admit(priority)`` before it reads more from that class's work topic;
+1. a work-topic reader of the inference agent asks ``can_admit(priority)`` before it reads more
+   from that class's work topic;
 2. ``offer(item)`` when a work item arrives (raises ``OverloadedError`` when its class is full);
-3. the loop asks ``ready(now)`` / ``flush_at_ms()`` to know when the window closes;
+3. the batch loop asks ``ready(now)`` / ``flush_at_ms()`` to know when the window closes;
 4. ``pop_batch(now)`` takes the batch (and hands back items whose deadline passed);
 5. ``record_batch(size, seconds)`` after the model call, so the next window knows what a batch costs.
+
+Steps 2-5 go through :class:`pipeline.batcher.AsyncBatcher`, which puts the scheduler on the event
+loop. See docs/architecture.md, "The path of a request".
 
 Ordering within a class is a queue policy behind :func:`make_queue_policy`: ``"edf"`` (the
 default) or ``"fifo"`` (one FIFO queue over all classes, ignoring class and deadline: the baseline
@@ -29,10 +33,12 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Any
 
 from pipeline.batch_estimator import BatchTimeEstimator
 from pipeline.exceptions import OverloadedError, SettingsError
+from pipeline.terms import Priority, Tier  # defined there; still importable from here
 
 Clock = Callable[[], float]
 """Returns the current time in epoch milliseconds."""
@@ -43,44 +49,18 @@ def wall_clock_ms() -> float:
     return time.time() * 1000.0
 
 
-class Priority(StrEnum):
-    """Request class, one work topic each. Declared (and iterated) from the highest to the lowest."""
-
-    REALTIME = "realtime"
-    INTERACTIVE = "interactive"
-    BATCH = "batch"
-    OFFLINE = "offline"
-
-    @property
-    def rank(self) -> int:
-        """0 for the highest class (realtime), 3 for the lowest (offline)."""
-        return _PRIORITY_ORDER.index(self)
-
-    @property
-    def lower(self) -> Priority | None:
-        """The next lower class, or None for offline."""
-        i = self.rank + 1
-        return _PRIORITY_ORDER[i] if i < len(_PRIORITY_ORDER) else None
-
-    def is_higher_than(self, other: Priority) -> bool:
-        """True when this class is served before ``other``."""
-        return self.rank < other.rank
-
-
 _PRIORITY_ORDER: tuple[Priority, ...] = tuple(Priority)
 
-
-class Tier(StrEnum):
-    """Customer tier. Premium items go ahead of the others in their class; free and standard tie."""
-
-    FREE = "free"
-    STANDARD = "standard"
-    PREMIUM = "premium"
-
-    @property
-    def rank(self) -> int:
-        """Sort rank within a class: 0 for premium, 1 for everyone else."""
-        return 0 if self is Tier.PREMIUM else 1
+#: Defaults of :class:`SchedulerConfig`, defined here once; the matching ``Settings`` fields
+#: (``deadline_<class>_ms``, ``queue_limit_per_class``, ``max_batch_size``, ``base_batch_size``,
+#: ``max_wait_ms``) take their defaults from these.
+DEFAULT_DEADLINE_MS: Mapping[Priority, int | None] = MappingProxyType(
+    {Priority.REALTIME: 200, Priority.INTERACTIVE: 500, Priority.BATCH: 5000, Priority.OFFLINE: None}
+)
+DEFAULT_QUEUE_LIMIT = 512
+DEFAULT_MAX_BATCH_SIZE = 32
+DEFAULT_BASE_BATCH_SIZE = 8
+DEFAULT_MAX_WAIT_MS = 10.0
 
 
 class DeadlinePolicy(StrEnum):
@@ -98,11 +78,11 @@ class DeadlinePolicy(StrEnum):
 
 
 def _default_deadlines() -> dict[Priority, int | None]:
-    return {Priority.REALTIME: 200, Priority.INTERACTIVE: 500, Priority.BATCH: 5000, Priority.OFFLINE: None}
+    return dict(DEFAULT_DEADLINE_MS)
 
 
 def _default_limits() -> dict[Priority, int]:
-    return {p: 256 for p in Priority}
+    return {p: DEFAULT_QUEUE_LIMIT for p in Priority}
 
 
 def _default_policies() -> dict[Priority, DeadlinePolicy]:
@@ -117,9 +97,9 @@ class SchedulerConfig:
     deadline_ms: dict[Priority, int | None] = field(default_factory=_default_deadlines)
     queue_limit: dict[Priority, int] = field(default_factory=_default_limits)
     deadline_policy: dict[Priority, DeadlinePolicy] = field(default_factory=_default_policies)
-    max_batch_size: int = 32
-    base_batch_size: int = 8
-    max_wait_ms: float = 10.0
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    base_batch_size: int = DEFAULT_BASE_BATCH_SIZE
+    max_wait_ms: float = DEFAULT_MAX_WAIT_MS
     safety_margin_ms: float = 5.0
 
     def __post_init__(self) -> None:
@@ -468,9 +448,11 @@ class Scheduler:
         deadline_ms: int | None = None,
         payload: Any = None,
     ) -> QueuedItem:
-        """Build a ``QueuedItem`` for a work item that just arrived (called by the agent before
-        ``offer``). The deadline is the class deadline counted from ``created_at_ms``, shortened (never
-        lengthened) by the request's own ``deadline_ms``; ``enqueued_at_ms`` is now."""
+        """Build a ``QueuedItem`` with this scheduler's class deadline (a convenience for tests and
+        tools; the inference agent builds its items from the WorkItem, whose absolute deadline intake
+        already computed with :func:`absolute_deadline_ms`). The deadline is the class deadline counted
+        from ``created_at_ms``, shortened (never lengthened) by the request's own ``deadline_ms``;
+        ``enqueued_at_ms`` is now."""
         prio = Priority(priority)
         now = self.clock()
         created = now if created_at_ms is None else created_at_ms
@@ -489,7 +471,7 @@ class Scheduler:
     # -- admission --------------------------------------------------------------------------------
 
     def offer(self, item: QueuedItem) -> None:
-        """Queue an item; called when it arrives from its work topic.
+        """Queue an item; called (through ``AsyncBatcher.put``) when it arrives from its work topic.
 
         Raises ``OverloadedError(priority, depth, limit)`` when its class is at ``queue_limit``.
         """

@@ -2,6 +2,10 @@
 
 Every field carries its unit in its name. ``Settings()`` validates combinations at start and
 raises :class:`pipeline.exceptions.SettingsError` naming both values when they disagree.
+
+Where a pure module has a config of its own (the scheduler, the degradation controller, the rate
+limiter), the default is defined once in that module and the field here takes it from there. The
+table of every variable is in README.md, "Configuration"; see also docs/architecture.md, "Settings".
 """
 
 from __future__ import annotations
@@ -13,10 +17,14 @@ from typing import Literal
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pipeline import degrade, ratelimit, scheduler
 from pipeline.exceptions import SettingsError
+from pipeline.terms import PRIORITIES, TIERS, Priority
 
-PRIORITIES = ("realtime", "interactive", "batch", "offline")
-TIERS = ("free", "standard", "premium")
+__all__ = ["PRIORITIES", "TIERS", "Settings"]  # PRIORITIES and TIERS: defined in pipeline.terms
+
+_DEADLINES = scheduler.DEFAULT_DEADLINE_MS
+_USERS = ratelimit.DEFAULT_USER_LIMITS
 
 
 class Settings(BaseSettings):
@@ -80,17 +88,31 @@ class Settings(BaseSettings):
     faq_confidence_floor: float = Field(0.40, ge=0, le=1, description="FAQ answers below this say 'not sure'")
 
     # --- scheduling ------------------------------------------------------------------------------------
-    deadline_realtime_ms: int = Field(200, gt=0, description="real-time deadline from created_at, ms")
-    deadline_interactive_ms: int = Field(500, gt=0, description="interactive deadline, ms")
-    deadline_batch_ms: int = Field(5000, gt=0, description="batch deadline, ms")
-    deadline_offline_ms: int = Field(0, ge=0, description="offline deadline, ms; 0 = none")
+    deadline_realtime_ms: int = Field(
+        _DEADLINES[Priority.REALTIME], gt=0, description="real-time deadline from created_at, ms"
+    )
+    deadline_interactive_ms: int = Field(
+        _DEADLINES[Priority.INTERACTIVE], gt=0, description="interactive deadline, ms"
+    )
+    deadline_batch_ms: int = Field(_DEADLINES[Priority.BATCH], gt=0, description="batch deadline, ms")
+    deadline_offline_ms: int = Field(
+        _DEADLINES[Priority.OFFLINE] or 0, ge=0, description="offline deadline, ms; 0 = none"
+    )
     deadline_policy_batch: Literal["reject", "delay"] = Field(
         "reject", description="what happens to an expired batch item: reject or move to offline"
     )
-    queue_limit_per_class: int = Field(512, ge=1, description="in-memory queue bound of each class")
-    max_batch_size: int = Field(32, ge=1, le=4096, description="largest micro-batch")
-    base_batch_size: int = Field(8, ge=1, description="batch size scale: ceil(base*ln(depth+1))")
-    max_wait_ms: float = Field(10.0, ge=0, description="longest a batch window stays open, ms")
+    queue_limit_per_class: int = Field(
+        scheduler.DEFAULT_QUEUE_LIMIT, ge=1, description="in-memory queue bound of each class"
+    )
+    max_batch_size: int = Field(
+        scheduler.DEFAULT_MAX_BATCH_SIZE, ge=1, le=4096, description="largest micro-batch"
+    )
+    base_batch_size: int = Field(
+        scheduler.DEFAULT_BASE_BATCH_SIZE, ge=1, description="batch size scale: ceil(base*ln(depth+1))"
+    )
+    max_wait_ms: float = Field(
+        scheduler.DEFAULT_MAX_WAIT_MS, ge=0, description="longest a batch window stays open, ms"
+    )
     queue_policy: Literal["edf", "fifo"] = Field(
         "edf", description="edf: priority + deadlines; fifo: baseline"
     )
@@ -104,31 +126,49 @@ class Settings(BaseSettings):
 
     # --- rate limits -------------------------------------------------------------------------------------
     rate_limit_enabled: bool = Field(True, description="apply the token buckets")
-    user_rate_per_s_free: float = Field(2.0, gt=0, description="free tier, requests/s per user")
-    user_burst_free: float = Field(10.0, ge=1, description="free tier bucket size")
-    user_rate_per_s_standard: float = Field(20.0, gt=0, description="standard tier, requests/s per user")
-    user_burst_standard: float = Field(50.0, ge=1, description="standard tier bucket size")
-    user_rate_per_s_premium: float = Field(100.0, gt=0, description="premium tier, requests/s per user")
-    user_burst_premium: float = Field(200.0, ge=1, description="premium tier bucket size")
-    tenant_rate_per_s: float = Field(2000.0, gt=0, description="requests/s per tenant")
-    tenant_burst: float = Field(4000.0, ge=1, description="tenant bucket size")
+    user_rate_per_s_free: float = Field(
+        _USERS["free"].rate_per_s, gt=0, description="free tier, requests/s per user"
+    )
+    user_burst_free: float = Field(_USERS["free"].burst, ge=1, description="free tier bucket size")
+    user_rate_per_s_standard: float = Field(
+        _USERS["standard"].rate_per_s, gt=0, description="standard tier, requests/s per user"
+    )
+    user_burst_standard: float = Field(
+        _USERS["standard"].burst, ge=1, description="standard tier bucket size"
+    )
+    user_rate_per_s_premium: float = Field(
+        _USERS["premium"].rate_per_s, gt=0, description="premium tier, requests/s per user"
+    )
+    user_burst_premium: float = Field(_USERS["premium"].burst, ge=1, description="premium tier bucket size")
+    tenant_rate_per_s: float = Field(
+        ratelimit.DEFAULT_TENANT_LIMITS.rate_per_s, gt=0, description="requests/s per tenant"
+    )
+    tenant_burst: float = Field(ratelimit.DEFAULT_TENANT_LIMITS.burst, ge=1, description="tenant bucket size")
 
     # --- degradation -------------------------------------------------------------------------------------
     degrade_enabled: bool = Field(True, description="run the overload degradation controller")
     degrade_up_queue_depth: tuple[float, float, float] = Field(
-        (64.0, 128.0, 256.0), description="queue depth per worker at which levels 1, 2, 3 start (JSON list)"
+        degrade.DEFAULT_UP_QUEUE_DEPTH,
+        description="queue depth per worker at which levels 1, 2, 3 start (JSON list)",
     )
     degrade_down_queue_depth: tuple[float, float, float] = Field(
-        (32.0, 96.0, 192.0), description="queue depth per worker under which levels 1, 2, 3 may step down"
+        degrade.DEFAULT_DOWN_QUEUE_DEPTH,
+        description="queue depth per worker under which levels 1, 2, 3 may step down",
     )
     degrade_up_miss_rate: tuple[float, float, float] = Field(
-        (0.02, 0.10, 0.25), description="deadline-miss rate (0-1, last 10 s) at which levels 1, 2, 3 start"
+        degrade.DEFAULT_UP_MISS_RATE,
+        description="deadline-miss rate (0-1, last 10 s) at which levels 1, 2, 3 start",
     )
     degrade_down_miss_rate: tuple[float, float, float] = Field(
-        (0.01, 0.05, 0.15), description="deadline-miss rate under which levels 1, 2, 3 may step down"
+        degrade.DEFAULT_DOWN_MISS_RATE,
+        description="deadline-miss rate under which levels 1, 2, 3 may step down",
     )
-    degrade_cooldown_ms: float = Field(5000.0, ge=0, description="low pressure needed before stepping down")
-    degrade_max_tokens_cap: int = Field(256, ge=1, description="max_tokens cap from level 2")
+    degrade_cooldown_ms: float = Field(
+        degrade.DEFAULT_COOLDOWN_MS, ge=0, description="low pressure needed before stepping down"
+    )
+    degrade_max_tokens_cap: int = Field(
+        degrade.DEFAULT_MAX_TOKENS_CAP, ge=1, description="max_tokens cap from level 2"
+    )
 
     # --- gateway -------------------------------------------------------------------------------------------
     gateway_port: int = Field(8000, ge=0, le=65535, description="HTTP port of the OpenAI-compatible gateway")

@@ -77,7 +77,7 @@ def test_max_level_caps_the_controller() -> None:
 
 def test_config_validation() -> None:
     with pytest.raises(SettingsError, match="down_queue_depth 10 must be below up_queue_depth 8"):
-        DegradeConfig(down_queue_depth=(10.0, 12.0, 20.0))
+        DegradeConfig(up_queue_depth=(8.0, 16.0, 32.0), down_queue_depth=(10.0, 12.0, 20.0))
     with pytest.raises(SettingsError, match="increase"):
         DegradeConfig(up_miss_rate=(0.2, 0.1, 0.3))
     with pytest.raises(SettingsError, match="max_level"):

@@ -117,7 +117,7 @@ def test_config_validation_names_the_values() -> None:
         TierLimits(rate_per_s=1.0, burst=0.5)
     with pytest.raises(SettingsError, match="premium"):
         RateLimitConfig(users={"free": TierLimits(1, 2), "standard": TierLimits(2, 4)})
-    with pytest.raises(SettingsError, match=r"rate_per_s 50 exceeds the tenant rate_per_s 20"):
+    with pytest.raises(SettingsError, match=r"rate_per_s 100 exceeds the tenant rate_per_s 20"):
         RateLimitConfig(tenant=TierLimits(rate_per_s=20.0, burst=40.0))
     with pytest.raises(InvalidRequestError, match="known tiers"):
         RateLimitConfig().user_limits("gold")
@@ -185,7 +185,7 @@ def test_tenants_do_not_share_buckets() -> None:
 
 
 def test_sharded_tenant_buckets_sum_to_the_tenant_limit() -> None:
-    config = RateLimitConfig(tenant=TierLimits(rate_per_s=80.0, burst=80.0))
+    config = RateLimitConfig(tenant=TierLimits(rate_per_s=160.0, burst=160.0))
     table: dict[str, dict] = {}
     limiter = RateLimiter(config, table, tenant_shards=8)
     admitted = 0
@@ -195,7 +195,7 @@ def test_sharded_tenant_buckets_sum_to_the_tenant_limit() -> None:
             admitted += 1
         except RateLimitedError as err:
             assert (
-                err.scope == "tenant" and err.rate_per_s == 80.0
+                err.scope == "tenant" and err.rate_per_s == 160.0
             )  # the configured, not the per-shard, limit
-    assert admitted == 80
+    assert admitted == 160
     assert {k for k in table if k.startswith("tenant:")} == {f"tenant:acme#{s}" for s in range(8)}

@@ -164,3 +164,35 @@ def test_every_field_is_documented() -> None:
     undocumented = [name for name, f in Settings.model_fields.items() if not (f.description or "").strip()]
     assert undocumented == []
     assert len(Settings.model_fields) > 40
+
+
+def test_settings_defaults_are_the_pure_configs_defaults() -> None:
+    """Each default is defined once, in the pure module; Settings takes it from there."""
+    from pipeline.degrade import DegradeConfig
+    from pipeline.ratelimit import RateLimitConfig, TierLimits
+    from pipeline.scheduler import SchedulerConfig
+
+    s = Settings.load()
+    sched = SchedulerConfig()
+    assert {p: s.deadline_ms(p) for p in PRIORITIES} == {p.value: ms for p, ms in sched.deadline_ms.items()}
+    assert set(sched.queue_limit.values()) == {s.queue_limit_per_class}
+    assert (sched.max_batch_size, sched.base_batch_size, sched.max_wait_ms) == (
+        s.max_batch_size,
+        s.base_batch_size,
+        s.max_wait_ms,
+    )
+    deg = DegradeConfig()
+    assert (deg.up_queue_depth, deg.down_queue_depth, deg.up_miss_rate, deg.down_miss_rate) == (
+        s.degrade_up_queue_depth,
+        s.degrade_down_queue_depth,
+        s.degrade_up_miss_rate,
+        s.degrade_down_miss_rate,
+    )
+    assert (deg.cooldown_ms, deg.max_tokens_cap) == (s.degrade_cooldown_ms, s.degrade_max_tokens_cap)
+    rl = RateLimitConfig()
+    assert dict(rl.users) == {
+        "free": TierLimits(s.user_rate_per_s_free, s.user_burst_free),
+        "standard": TierLimits(s.user_rate_per_s_standard, s.user_burst_standard),
+        "premium": TierLimits(s.user_rate_per_s_premium, s.user_burst_premium),
+    }
+    assert rl.tenant == TierLimits(s.tenant_rate_per_s, s.tenant_burst)
