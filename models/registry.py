@@ -1,4 +1,4 @@
-"""Build the configured model backend from :class:`Settings`."""
+"""Build the configured model backend from :class:`Settings` (called by agents/worker.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,22 @@ from models.base import ModelBackend
 from pipeline.settings import Settings
 
 
+def apply_num_threads(settings: Settings) -> None:
+    """``SURGE_MODEL_NUM_THREADS``: torch's CPU threads for this process; 0 keeps torch's default.
+
+    Process-wide: the answer model and the embedder share them. On a small, shared CPU box one
+    thread is often much faster than the default, whose spinning threads fight the event loop.
+    """
+    if settings.model_num_threads > 0:
+        import torch
+
+        torch.set_num_threads(settings.model_num_threads)
+
+
 def build_model(settings: Settings) -> ModelBackend:
-    """The answer model named by ``settings.model`` (not loaded yet: the worker calls ``load``)."""
+    """The answer model named by ``settings.model`` (not loaded yet: the worker calls ``load``),
+    with torch's thread count set from ``model_num_threads`` first."""
+    apply_num_threads(settings)
     if settings.model == "faq":
         return build_faq(settings)
     if settings.model == "echo":
@@ -23,15 +37,20 @@ def build_model(settings: Settings) -> ModelBackend:
 
         assert settings.model_path is not None
         return HFCausalLM(
-            settings.model_path, device_map=settings.model_device_map, dtype=settings.model_dtype
+            settings.model_path,
+            device_map=settings.model_device_map,
+            dtype=settings.model_dtype,
+            num_threads=settings.model_num_threads or None,
         )
     from models.remote import RemoteOpenAIModel
 
     assert settings.remote_base_url is not None
     return RemoteOpenAIModel(
-        settings.remote_base_url, settings.remote_model, api_key=settings.remote_api_key,
+        settings.remote_base_url,
+        settings.remote_model,
+        api_key=settings.remote_api_key,
         timeout_s=settings.remote_timeout_s,
-    )  # fmt: skip
+    )
 
 
 def build_faq(settings: Settings) -> ModelBackend:

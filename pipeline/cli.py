@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from pipeline.exceptions import SurgeError
+from pipeline.terms import PRIORITIES, TIERS, Priority, Tier
 
 
 def _settings(**overrides: object):
@@ -188,10 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("prompt")
     s.add_argument("--user", default="cli-user")
     s.add_argument("--tenant", default="default")
-    s.add_argument("--tier", default="standard", choices=["free", "standard", "premium"])
-    s.add_argument(
-        "--priority", default="interactive", choices=["realtime", "interactive", "batch", "offline"]
-    )
+    s.add_argument("--tier", default=Tier.STANDARD.value, choices=TIERS)
+    s.add_argument("--priority", default=Priority.INTERACTIVE.value, choices=PRIORITIES)
     s.add_argument("--max-tokens", type=int, default=256)
     s.add_argument("--request-id", default=None)
     s.add_argument("--timeout-s", type=float, default=30.0)

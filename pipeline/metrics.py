@@ -1,4 +1,5 @@
-"""Every metric of DESIGN.md "Metrics", created in one factory that takes the registry.
+"""Every metric surge exports (docs/architecture.md, "Metrics"), created in one factory that takes
+the registry.
 
 Tests pass their own :class:`CollectorRegistry`; a worker uses one per process and serves it at
 ``/metrics``. prometheus-client appends ``_total`` to counter names in the exposition.
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pipeline.settings import PRIORITIES
+from pipeline.terms import PRIORITIES
 
 LATENCY_BUCKETS_S = (0.1, 0.5, 1.0, 2.0, 5.0)
 REQUEST_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)

@@ -1,10 +1,10 @@
-"""Topic names of DESIGN.md "Topics", with the configured prefix."""
+"""Topic names (docs/architecture.md, "Topics"), with the configured prefix."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.settings import PRIORITIES
+from pipeline.terms import PRIORITIES
 
 
 @dataclass(frozen=True, slots=True)
