@@ -40,12 +40,11 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
         intake_agent.register(rt, cache)
     if settings.role in ("inference", "all"):
         from models.embedder import shared_embedder
-        from models.registry import build_faq, build_model
+        from models.registry import build_model
+        from models.template import build_template
 
         model = build_model(settings)
-        template = (
-            model if settings.model == "faq" else (build_faq(settings) if settings.degrade_enabled else None)
-        )
+        template = build_template(settings, model)
         embedder = (
             shared_embedder(settings.embedder_path)
             if (settings.dedup_enabled or settings.cache_enabled)

@@ -11,6 +11,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
 from pipeline.exceptions import BrokerError
+from pipeline.kafka_security import client_options
 from pipeline.settings import Settings
 from pipeline.topics import TopicNames
 
@@ -32,7 +33,9 @@ async def ensure_topics(settings: Settings, extra: Iterable[str] = (), timeout_s
     compacted = set(changelog_topics(settings))
     names += sorted(compacted)
     admin = AIOKafkaAdminClient(
-        bootstrap_servers=settings.bootstrap_servers, request_timeout_ms=int(timeout_s * 1000)
+        bootstrap_servers=settings.bootstrap_servers,
+        request_timeout_ms=int(timeout_s * 1000),
+        **client_options(settings),
     )
     try:
         await asyncio.wait_for(admin.start(), timeout_s)

@@ -2,18 +2,60 @@
 
 Every surge topic carries raw bytes: decoding happens in the agents, so a record that is not
 JSON gets an error reply and a dead letter instead of crashing a stream.
+
+The worker's web port serves only what surge registers (``/metrics``, ``/status``, ``/healthz``) and
+Faust's plain index: Faust's built-in views are off (:data:`WEB_VIEWS_OFF`), since ``/table/...``
+reads table data (cached questions and answers of every tenant), and the statistics, graph and
+router views describe the cluster's internals (docs/architecture.md "Security").
 """
 
 from __future__ import annotations
 
-import faust
+from typing import Any
 
+import faust
+from faust.auth import SASLCredentials, SSLCredentials
+from faust.types.auth import CredentialsT
+
+from pipeline.kafka_security import ssl_context
 from pipeline.settings import Settings
+
+#: Faust settings that turn its built-in web views off: /table (table data), /router (cluster
+#: topology; surge routes nothing between workers), the statistics and /assignment pages, /graph,
+#: /performance
+WEB_VIEWS_OFF: dict[str, bool] = {
+    "web_tables_enabled": False,
+    "web_router_enabled": False,
+    "web_stats_enabled": False,
+    "web_graph_enabled": False,
+    "web_metrics_enabled": False,
+}
+
+
+def faust_credentials(settings: Settings) -> CredentialsT | None:
+    """Faust's ``broker_credentials`` for ``kafka_security_protocol`` (None for PLAINTEXT)."""
+    proto = settings.kafka_security_protocol
+    ctx = ssl_context(settings)
+    if proto.startswith("SASL_"):
+        password = settings.kafka_sasl_password
+        return SASLCredentials(
+            username=settings.kafka_sasl_username,
+            password=password.get_secret_value() if password else None,
+            ssl_context=ctx,
+            mechanism=settings.kafka_sasl_mechanism,
+        )
+    if ctx is not None:
+        return SSLCredentials(ctx)
+    return None
 
 
 def create_app(settings: Settings) -> faust.App:
     """A Faust app with RocksDB tables, the configured broker and at-least-once commits after acks."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    security: dict[str, Any] = {}
+    credentials = faust_credentials(settings)
+    if credentials is not None:
+        security["broker_credentials"] = credentials
     return faust.App(
         settings.app_id,
         broker=settings.broker,
@@ -39,4 +81,6 @@ def create_app(settings: Settings) -> faust.App:
         broker_session_timeout=settings.session_timeout_s,
         broker_heartbeat_interval=min(3.0, settings.session_timeout_s / 4),
         consumer_max_fetch_size=4 * 1024 * 1024,
+        **WEB_VIEWS_OFF,
+        **security,
     )

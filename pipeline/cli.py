@@ -83,6 +83,7 @@ def cmd_send(args: argparse.Namespace) -> int:
     import uuid
 
     from pipeline.client import SurgeClient
+    from pipeline.kafka_security import client_options
     from pipeline.topics import TopicNames
 
     s = _settings()
@@ -93,7 +94,9 @@ def cmd_send(args: argparse.Namespace) -> int:
             "request_id": args.request_id or uuid.uuid4().hex, "user_id": args.user, "tenant": args.tenant,
             "tier": args.tier, "priority": args.priority, "prompt": args.prompt, "max_tokens": args.max_tokens,
         }  # fmt: skip
-        async with SurgeClient(s.bootstrap_servers, requests_topic=t.requests, reply_topic=t.replies) as c:
+        async with SurgeClient(
+            s.bootstrap_servers, requests_topic=t.requests, reply_topic=t.replies, security=client_options(s)
+        ) as c:
             reply = await c.request(req, timeout_s=args.timeout_s)
         print(reply.model_dump_json(exclude_none=True, indent=2))
         return 0 if reply.status == "ok" else 2
@@ -103,6 +106,7 @@ def cmd_send(args: argparse.Namespace) -> int:
 
 def cmd_tail(args: argparse.Namespace) -> int:
     from pipeline.client import SurgeClient
+    from pipeline.kafka_security import client_options
     from pipeline.topics import TopicNames
 
     s = _settings()
@@ -113,8 +117,9 @@ def cmd_tail(args: argparse.Namespace) -> int:
             print(r.model_dump_json(exclude_none=True), flush=True)  # type: ignore[attr-defined]
 
         async with SurgeClient(
-            s.bootstrap_servers, reply_topic=topic, on_reply=show, from_beginning=args.from_beginning
-        ):
+            s.bootstrap_servers, reply_topic=topic, on_reply=show, from_beginning=args.from_beginning,
+            security=client_options(s),
+        ):  # fmt: skip
             await asyncio.Event().wait()
 
     try:

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -33,7 +33,9 @@ class SurgeClient:
         on_reply: Callable[[InferenceReply], None] | None = None,
         from_beginning: bool = False,
         keep_replies: bool = True,
+        security: Mapping[str, Any] | None = None,
     ) -> None:
+        """``security``: aiokafka's TLS/SASL options, :func:`pipeline.kafka_security.client_options`."""
         self.bootstrap = bootstrap
         self.requests_topic = requests_topic
         self.reply_topic = reply_topic
@@ -41,14 +43,16 @@ class SurgeClient:
         self.from_beginning = from_beginning
         #: keep every reply in ``replies`` (tests, the demo); a long-running gateway turns it off
         self.keep_replies = keep_replies
+        auth = dict(security or {})
         self.producer = AIOKafkaProducer(
-            bootstrap_servers=bootstrap, acks="all", linger_ms=2, max_request_size=8 << 20
+            bootstrap_servers=bootstrap, acks="all", linger_ms=2, max_request_size=8 << 20, **auth
         )
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=bootstrap,
             enable_auto_commit=False,
             auto_offset_reset="latest",
             fetch_max_wait_ms=50,
+            **auth,
         )
         self._waiting: dict[str, asyncio.Future[InferenceReply]] = {}
         self.replies: list[InferenceReply] = []

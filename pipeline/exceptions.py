@@ -76,3 +76,22 @@ class SettingsError(SurgeError):
 
 class BrokerError(SurgeError):
     """The embedded broker could not be resolved, started or reached."""
+
+
+class ApiKeyConfigError(SettingsError):
+    """``SURGE_API_KEYS`` does not parse; names the entry by position, never the key."""
+
+
+class PermissionDeniedError(SurgeError):
+    """A request asked for a tier or priority above what its API key allows."""
+
+    code = "permission_denied"
+
+    def __init__(self, what: str, asked: str, allowed: str, order: tuple[str, ...]) -> None:
+        super().__init__(
+            f"this API key may use {what} up to {allowed!r}, got {asked!r} "
+            f"(highest first: {', '.join(order)}); ask for {allowed!r} or lower"
+        )
+        self.what = what
+        self.asked = asked
+        self.allowed = allowed

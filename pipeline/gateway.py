@@ -14,6 +14,12 @@ the pipeline returns whole answers: the gateway waits for the reply, then sends 
 word-boundary chunks. Tokens are not streamed from the model, and errors are plain HTTP errors
 (status and JSON body) even for streaming requests, since nothing is sent before the reply.
 
+Each request's tenant, tier and highest priority come from its API key (``SURGE_API_KEYS``, keys
+compared in constant time; :mod:`pipeline.auth`), the ``user`` it names is namespaced under the
+tenant, and a level-3 template is marked as one (``X-Surge-Served-From``, ``finish_reason``): see
+:mod:`pipeline.gateway_format` and docs/architecture.md "Security". The in-flight bound is checked
+before the body is read, and a request counts against it from then on.
+
 Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /healthz`` (process alive),
 ``GET /readyz`` (200 once the Kafka client is started and the reply topic assigned),
 ``GET /metrics`` (Prometheus text of the gateway's own registry).
@@ -26,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -40,8 +45,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from pipeline.admin import ensure_topics
+from pipeline.auth import ANONYMOUS, ApiKey, KeyRing, parse_api_keys
 from pipeline.client import SurgeClient
-from pipeline.exceptions import InvalidRequestError
+from pipeline.exceptions import InvalidRequestError, PermissionDeniedError
 from pipeline.gateway_format import (
     ChatCall,
     build_request,
@@ -52,6 +58,7 @@ from pipeline.gateway_format import (
     retry_after_s,
     stream_chunks,
 )
+from pipeline.kafka_security import client_options
 from pipeline.metrics import Metrics, create_metrics
 from pipeline.records import InferenceReply, now_ms
 from pipeline.settings import Settings
@@ -61,6 +68,8 @@ log = logging.getLogger("surge.gateway")
 
 #: HTTP bodies larger than the record limit by more than this are refused before they are read
 BODY_SLACK_BYTES = 64 << 10
+#: response header naming where an answer came from: model, cache, merged or template
+SERVED_FROM_HEADER = "X-Surge-Served-From"
 
 
 def default_instance_id(settings: Settings) -> str:
@@ -71,11 +80,6 @@ def default_instance_id(settings: Settings) -> str:
     """
     raw = settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     return re.sub(r"[^A-Za-z0-9._-]", "-", raw)[:120]
-
-
-def key_user_id(api_key: str) -> str:
-    """A user id derived from an API key (a hash: the key itself never goes to Kafka)."""
-    return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
 
 
 class HttpError(Exception):
@@ -119,16 +123,18 @@ class Gateway:
         self.instance_id = instance_id or default_instance_id(settings)
         self.topics = TopicNames(settings.topic_prefix)
         self.reply_topic = f"{self.topics.replies}.gateway-{self.instance_id}"
-        self.keys = settings.api_key_tenants()
+        self.keys = KeyRing(parse_api_keys(settings.api_keys))
         self.metrics: Metrics = create_metrics(registry)
         r = self.metrics.registry
         self.http_responses = Counter(
             "surge_gateway_responses", "HTTP responses of the gateway", ["status"], registry=r
         )
-        self.in_flight = Gauge("surge_gateway_in_flight", "Chat requests awaiting their reply", registry=r)
+        self.in_flight = Gauge(
+            "surge_gateway_in_flight", "Chat requests admitted and not yet answered", registry=r
+        )
         self.client = SurgeClient(
             settings.bootstrap_servers, requests_topic=self.topics.requests, reply_topic=self.reply_topic,
-            keep_replies=False,
+            keep_replies=False, security=client_options(settings),
         )  # fmt: skip
         self.ready = False
         self.max_body_bytes = settings.max_record_bytes + BODY_SLACK_BYTES
@@ -160,6 +166,12 @@ class Gateway:
         await site.start()
         self.port = int(self.runner.addresses[0][1])
         self.ready = True
+        if not len(self.keys):
+            log.warning(
+                "gateway %s has no API keys (SURGE_API_KEYS): every caller is tenant %r, tier %r, "
+                "priority up to %r; configure keys outside development",
+                self.instance_id, ANONYMOUS.tenant, ANONYMOUS.tier, ANONYMOUS.max_priority,
+            )  # fmt: skip
         log.info("gateway %s on %s:%d, replies on %s", self.instance_id, host, self.port, self.reply_topic)
         return self.port
 
@@ -183,30 +195,43 @@ class Gateway:
         return f"http://127.0.0.1:{self.port}"
 
     # ---- handlers --------------------------------------------------------------------------------
-    def _authenticate(self, request: web.Request) -> tuple[str, str | None]:
-        """``(tenant, user id from the key)``; raises 401 when keys are configured and this one is not."""
-        if not self.keys:
-            return "default", None
+    def _authenticate(self, request: web.Request) -> ApiKey:
+        """The caller's key; raises 401 when keys are configured and this one is not one of them."""
+        if not len(self.keys):
+            return ANONYMOUS
         auth = request.headers.get("Authorization", "")
-        scheme, _, key = auth.partition(" ")
-        key = key.strip()
-        if scheme.lower() != "bearer" or not key:
+        scheme, _, presented = auth.partition(" ")
+        presented = presented.strip()
+        if scheme.lower() != "bearer" or not presented:
             raise HttpError(
                 "invalid_api_key", "missing API key: send the header 'Authorization: Bearer <key>'"
             )
-        tenant = self.keys.get(key)
-        if tenant is None:
+        key = self.keys.lookup(presented)
+        if key is None:
             raise HttpError("invalid_api_key", "invalid API key: this key is not configured (SURGE_API_KEYS)")
-        return tenant, key_user_id(key)
+        return key
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        """``POST /v1/chat/completions``: validate, produce, await the reply, answer (JSON or SSE)."""
+        """``POST /v1/chat/completions``: admit, read, validate, produce, await the reply, answer."""
         t0 = time.perf_counter()
         request_id = uuid.uuid4().hex
         call: ChatCall | None = None
         reply: InferenceReply | None = None
+        admitted = False
         try:
-            tenant, key_user = self._authenticate(request)
+            key = self._authenticate(request)
+            if not self.ready:
+                raise HttpError("unavailable", "the gateway is not ready (starting or stopping)", 1000)
+            # before the body is read: a flood of slow uploads is shed like a flood of requests
+            if self.max_in_flight and self._in_flight >= self.max_in_flight:
+                raise HttpError(
+                    "overloaded",
+                    f"the gateway has {self._in_flight} requests in flight; the limit is {self.max_in_flight}",
+                    1000,
+                )
+            admitted = True
+            self._in_flight += 1
+            self.in_flight.inc()
             try:
                 raw = await request.read()
             except web.HTTPRequestEntityTooLarge as exc:
@@ -217,19 +242,11 @@ class Gateway:
                 ) from exc
             try:
                 call = build_request(
-                    raw, request.headers, settings=self.settings, request_id=request_id, tenant=tenant,
-                    key_user=key_user, reply_to=self.reply_topic, created_at_ms=now_ms(),
+                    raw, request.headers, settings=self.settings, request_id=request_id, key=key,
+                    reply_to=self.reply_topic, created_at_ms=now_ms(),
                 )  # fmt: skip
-            except InvalidRequestError as exc:
-                raise HttpError("invalid_request", exc.message) from exc
-            if not self.ready:
-                raise HttpError("unavailable", "the gateway is not ready (starting or stopping)", 1000)
-            if self.max_in_flight and self._in_flight >= self.max_in_flight:
-                raise HttpError(
-                    "overloaded",
-                    f"the gateway has {self._in_flight} requests in flight; the limit is {self.max_in_flight}",
-                    1000,
-                )
+            except (InvalidRequestError, PermissionDeniedError) as exc:
+                raise HttpError(exc.code, exc.message) from exc
             reply = await self._round_trip(call)
         except HttpError as exc:
             return self._finish(
@@ -239,23 +256,22 @@ class Gateway:
                 t0,
                 exc.code,
             )
+        finally:
+            if admitted:
+                self._in_flight -= 1
+                self.in_flight.dec()
         if reply.status != "ok" or reply.error is not None:
             err = reply.error
             code, message = (err.code, err.message) if err else ("internal", "error reply without details")
             retry = err.retry_after_ms if err else None
             return self._finish(error_response(code, message, retry, request_id), call, reply, t0, code)
         gateway_ms = (time.perf_counter() - t0) * 1000
+        headers = {"x-request-id": request_id, SERVED_FROM_HEADER: reply.served_from or "model"}
         if not call.stream:
-            resp = web.json_response(
-                completion(call, reply, gateway_ms), headers={"x-request-id": request_id}
-            )
+            resp = web.json_response(completion(call, reply, gateway_ms), headers=headers)
             return self._finish(resp, call, reply, t0, None)
         sse = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "x-request-id": request_id,
-            }
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
         )
         await sse.prepare(request)
         for chunk in stream_chunks(call, reply, gateway_ms):
@@ -269,8 +285,6 @@ class Gateway:
         req = call.request
         rid = req["request_id"]
         fut = self.client.expect(rid)
-        self._in_flight += 1
-        self.in_flight.inc()
         try:
             try:
                 delivery = await self.client.producer.send(
@@ -290,8 +304,6 @@ class Gateway:
                     f"no reply from the pipeline within gateway_timeout_ms={timeout_ms} ms (request {rid})",
                 ) from exc
         finally:
-            self._in_flight -= 1
-            self.in_flight.dec()
             self.client.forget(rid)
             if not fut.done():
                 fut.cancel()

@@ -3,6 +3,16 @@
 Pure logic (no aiohttp, no Kafka): the gateway calls :func:`build_request` for each HTTP request
 before anything is produced, :func:`completion` / :func:`stream_chunks` for each ok reply, and
 :func:`error_status` / :func:`error_body` for each error, whether the gateway or the pipeline found it.
+
+What a client may choose is bounded by its API key (docs/architecture.md "Security"): the tenant is
+the key's; the tier and priority may be lowered, never raised (:meth:`pipeline.auth.ApiKey.grant`);
+the body's ``user`` becomes ``<tenant>/<user>`` (:func:`pipeline.auth.tenant_user_id`).
+
+A level-3 degradation template is marked where an OpenAI client looks: ``finish_reason`` is
+:data:`TEMPLATE_FINISH_REASON` (``content_filter``, the one standard value that says the content is
+not the model's completion, so clients with a closed set of finish reasons still parse it), the
+``surge`` object says ``served_from: "template"`` and ``template: true``, and the gateway adds the
+header ``X-Surge-Served-From``.
 """
 
 from __future__ import annotations
@@ -10,11 +20,13 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.auth import ApiKey, tenant_user_id
 from pipeline.exceptions import InvalidRequestError
 from pipeline.records import InferenceReply, decode_request
 from pipeline.settings import PRIORITIES, TIERS, Settings
@@ -23,6 +35,7 @@ from pipeline.settings import PRIORITIES, TIERS, Settings
 STATUS_OF_CODE: dict[str, int] = {
     "invalid_request": 400,
     "invalid_api_key": 401,
+    "permission_denied": 403,
     "request_too_large": 413,
     "rate_limited": 429,
     "model_error": 500,
@@ -36,6 +49,7 @@ STATUS_OF_CODE: dict[str, int] = {
 TYPE_OF_CODE: dict[str, str] = {
     "invalid_request": "invalid_request_error",
     "invalid_api_key": "authentication_error",
+    "permission_denied": "permission_error",
     "request_too_large": "invalid_request_error",
     "rate_limited": "rate_limit_error",
     "model_error": "server_error",
@@ -47,6 +61,10 @@ TYPE_OF_CODE: dict[str, str] = {
 
 #: largest number of content chunks one streamed answer is cut into
 MAX_STREAM_CHUNKS = 16
+#: ``finish_reason`` of a degradation template (the reply's ``finish_reason: "template"``)
+TEMPLATE_FINISH_REASON = "content_filter"
+#: ``X-Surge-Deadline-Ms``: ASCII digits only, at most this many (``int()`` would take "١٢" or fail on "²")
+_DEADLINE_HEADER_RE = re.compile(r"[0-9]{1,12}", re.ASCII)
 
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 _UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "audio", "prediction")
@@ -132,15 +150,23 @@ def _messages(raw: Any) -> list[dict[str, str]]:
     return out
 
 
+def _show(value: Any, limit: int = 40) -> str:
+    """A value as JSON for a message, cut at ``limit`` characters; safe on deep or huge values."""
+    try:
+        return json.dumps(value)[:limit]
+    except (RecursionError, ValueError):
+        return type(value).__name__
+
+
 def _int_field(body: Mapping[str, Any], name: str, lo: int, hi: int | None) -> int | None:
     v = body.get(name)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
-        raise InvalidRequestError(f"{name} must be an integer, got {json.dumps(v)[:40]}")
+        raise InvalidRequestError(f"{name} must be an integer, got {_show(v)}")
     if v < lo or (hi is not None and v > hi):
         limit = f"{lo}-{hi}" if hi is not None else f">= {lo}"
-        raise InvalidRequestError(f"{name} must be {limit}, got {v}")
+        raise InvalidRequestError(f"{name} must be {limit}, got {_show(v)}")
     return v
 
 
@@ -169,15 +195,15 @@ def build_request(
     *,
     settings: Settings,
     request_id: str,
-    tenant: str,
-    key_user: str | None,
+    key: ApiKey,
     reply_to: str,
     created_at_ms: int,
 ) -> ChatCall:
-    """Validate one ``POST /v1/chat/completions`` body and build its InferenceRequest.
+    """Validate one ``POST /v1/chat/completions`` body and build its InferenceRequest for ``key``.
 
     Called by the gateway before anything is produced; raises :class:`InvalidRequestError` (400)
-    with a message naming the field and its limit. ``headers`` must be case-insensitive (aiohttp's).
+    with a message naming the field and its limit, or :class:`pipeline.exceptions.PermissionDeniedError`
+    (403) for a tier or priority above the key's. ``headers`` must be case-insensitive (aiohttp's).
     """
     if not raw.strip():
         raise InvalidRequestError("request body is empty; send a JSON chat completion request")
@@ -191,6 +217,12 @@ def build_request(
         raise InvalidRequestError(
             f"request body is not valid JSON: {exc.msg} at line {exc.lineno} col {exc.colno}"
         ) from exc
+    except RecursionError as exc:
+        raise InvalidRequestError(
+            f"request body nests JSON arrays or objects deeper than {sys.getrecursionlimit()} levels"
+        ) from exc
+    except ValueError as exc:  # e.g. an integer beyond Python's int digit limit
+        raise InvalidRequestError(f"request body has a value that cannot be read: {str(exc)[:120]}") from exc
     if not isinstance(body, dict):
         raise InvalidRequestError(f"request body must be a JSON object, got {type(body).__name__}")
     for name in _UNSUPPORTED:
@@ -205,7 +237,7 @@ def build_request(
         raise InvalidRequestError("model must be a string of 1-256 characters")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise InvalidRequestError(f"stream must be true or false, got {json.dumps(stream)[:40]}")
+        raise InvalidRequestError(f"stream must be true or false, got {_show(stream)}")
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise InvalidRequestError("stream_options must be an object")
@@ -216,13 +248,13 @@ def build_request(
     if temperature is not None and (
         isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 <= temperature <= 2
     ):
-        raise InvalidRequestError(f"temperature must be a number 0-2, got {json.dumps(temperature)[:40]}")
+        raise InvalidRequestError(f"temperature must be a number 0-2, got {_show(temperature)}")
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
-        raise InvalidRequestError(f"logprobs must be true or false, got {json.dumps(logprobs)[:40]}")
+        raise InvalidRequestError(f"logprobs must be true or false, got {_show(logprobs)}")
     cache = body.get("cache")
     if cache is not None and not isinstance(cache, bool):
-        raise InvalidRequestError(f"cache must be true or false, got {json.dumps(cache)[:40]}")
+        raise InvalidRequestError(f"cache must be true or false, got {_show(cache)}")
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or not 0 < len(user) <= 128):
         raise InvalidRequestError("user must be a string of 1-128 characters")
@@ -232,20 +264,23 @@ def build_request(
     tier = _choice(headers.get("X-Surge-Tier"), "X-Surge-Tier", TIERS) or _choice(
         body.get("tier"), "tier", TIERS
     )
+    tier, priority = key.grant(tier, priority)
     deadline_ms: Any = headers.get("X-Surge-Deadline-Ms")
     if deadline_ms is not None:
-        if not deadline_ms.strip().isdigit() or int(deadline_ms) <= 0:
+        text = deadline_ms.strip()
+        if not _DEADLINE_HEADER_RE.fullmatch(text) or int(text) <= 0:
             raise InvalidRequestError(
-                f"X-Surge-Deadline-Ms must be a positive integer, got {deadline_ms[:40]!r}"
+                "X-Surge-Deadline-Ms must be a positive integer of at most 12 ASCII digits, "
+                f"got {deadline_ms[:40]!r}"
             )
-        deadline_ms = int(deadline_ms)
+        deadline_ms = int(text)
     else:
         deadline_ms = _int_field(body, "deadline_ms", 1, None)
 
     req: dict[str, Any] = {
         "request_id": request_id,
-        "user_id": user or key_user or "anonymous",
-        "tenant": tenant,
+        "user_id": tenant_user_id(key.tenant, user or key.key_user),
+        "tenant": key.tenant,
         "messages": messages,
         "reply_to": reply_to,
         "created_at": created_at_ms,
@@ -271,6 +306,8 @@ def build_request(
 
 
 def _finish_reason(reply: InferenceReply) -> str:
+    if reply.served_from == "template" or reply.finish_reason == "template":
+        return TEMPLATE_FINISH_REASON
     return "length" if reply.finish_reason == "length" else "stop"
 
 
@@ -279,6 +316,7 @@ def surge_extension(reply: InferenceReply, gateway_ms: float) -> dict[str, Any]:
     ext: dict[str, Any] = {
         "request_id": reply.request_id,
         "served_from": reply.served_from,
+        "template": reply.served_from == "template",
         "merged_into": reply.merged_into,
         "similarity": reply.similarity,
         "degradation_level": reply.degradation_level,

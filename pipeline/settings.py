@@ -10,11 +10,12 @@ table of every variable is in README.md, "Configuration"; see also docs/architec
 
 from __future__ import annotations
 
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipeline import degrade, ratelimit, scheduler
@@ -25,6 +26,8 @@ __all__ = ["PRIORITIES", "TIERS", "Settings"]  # PRIORITIES and TIERS: defined i
 
 _DEADLINES = scheduler.DEFAULT_DEADLINE_MS
 _USERS = ratelimit.DEFAULT_USER_LIMITS
+#: settings whose values never go into an error message
+_SECRET_FIELD = re.compile(r"api_key|password", re.IGNORECASE)
 
 
 class Settings(BaseSettings):
@@ -64,6 +67,29 @@ class Settings(BaseSettings):
         Path.home() / ".cache" / "surge" / "kafka", description="where the broker's jars are cached"
     )
     kafka_heap_mb: int = Field(512, ge=128, le=65536, description="JVM heap of the embedded broker, MiB")
+
+    # --- Kafka security (every client surge makes: Faust, gateway, admin, surge send/tail) -------------
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="how clients talk to Kafka: PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL"
+    )
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = Field(
+        "PLAIN", description="SASL mechanism (SASL_* protocols)"
+    )
+    kafka_sasl_username: str | None = Field(None, description="SASL user name (SASL_* protocols)")
+    kafka_sasl_password: SecretStr | None = Field(None, description="SASL password (SASL_* protocols)")
+    kafka_ssl_cafile: Path | None = Field(
+        None, description="PEM file of the CAs that signed the brokers' certificates; default: system CAs"
+    )
+    kafka_ssl_certfile: Path | None = Field(
+        None, description="PEM client certificate for mutual TLS (SSL, SASL_SSL)"
+    )
+    kafka_ssl_keyfile: Path | None = Field(None, description="PEM private key of kafka_ssl_certfile")
+    kafka_ssl_key_password: SecretStr | None = Field(
+        None, description="password of kafka_ssl_keyfile, if any"
+    )
+    kafka_ssl_check_hostname: bool = Field(
+        True, description="check that a broker's certificate names the host connected to"
+    )
 
     # --- records -------------------------------------------------------------------------------------
     max_record_bytes: int = Field(1 << 20, ge=1024, description="largest accepted request record, bytes")
@@ -169,10 +195,20 @@ class Settings(BaseSettings):
     degrade_max_tokens_cap: int = Field(
         degrade.DEFAULT_MAX_TOKENS_CAP, ge=1, description="max_tokens cap from level 2"
     )
+    degrade_template: str = Field(
+        "",
+        max_length=4096,
+        description="level-3 answer: 'faq' (the FAQ answerer), a fixed text, or empty: "
+        "faq for model=faq, else a plain 'busy, try again' text",
+    )
 
     # --- gateway -------------------------------------------------------------------------------------------
     gateway_port: int = Field(8000, ge=0, le=65535, description="HTTP port of the OpenAI-compatible gateway")
-    api_keys: str = Field("", description="comma list key:tenant; empty: no key needed, tenant default")
+    api_keys: str = Field(
+        "",
+        description="gateway keys: comma list key:tenant[:tier[:max_priority]] or JSON; "
+        "empty: no key needed, everyone is tenant default (development only)",
+    )
     gateway_max_in_flight: int = Field(
         0, ge=0, description="requests a gateway waits on at once before answering 503; 0 = no bound"
     )
@@ -205,7 +241,34 @@ class Settings(BaseSettings):
             raise ValueError(f"model={self.model!r} needs model_path (SURGE_MODEL_PATH), got None")
         if self.model == "remote" and not self.remote_base_url:
             raise ValueError(f"model={self.model!r} needs remote_base_url, got None")
+        self._check_security()
         return self
+
+    def _check_security(self) -> None:
+        from pipeline.auth import parse_api_keys
+        from pipeline.exceptions import ApiKeyConfigError
+
+        try:
+            parse_api_keys(self.api_keys)
+        except ApiKeyConfigError as exc:
+            raise ValueError(exc.message) from exc
+        proto = self.kafka_security_protocol
+        if proto.startswith("SASL_") and not (self.kafka_sasl_username and self.kafka_sasl_password):
+            raise ValueError(
+                f"kafka_security_protocol={proto!r} needs kafka_sasl_username and kafka_sasl_password, "
+                f"got username={self.kafka_sasl_username!r} and "
+                f"{'a' if self.kafka_sasl_password else 'no'} password"
+            )
+        tls = {"kafka_ssl_cafile": self.kafka_ssl_cafile, "kafka_ssl_certfile": self.kafka_ssl_certfile,
+               "kafka_ssl_keyfile": self.kafka_ssl_keyfile}  # fmt: skip
+        given = [name for name, value in tls.items() if value is not None]
+        if given and not proto.endswith("SSL"):
+            raise ValueError(
+                f"{', '.join(given)} given but kafka_security_protocol={proto!r} does not use TLS "
+                "(SSL or SASL_SSL)"
+            )
+        if self.kafka_ssl_keyfile is not None and self.kafka_ssl_certfile is None:
+            raise ValueError(f"kafka_ssl_keyfile={str(self.kafka_ssl_keyfile)!r} needs kafka_ssl_certfile")
 
     @classmethod
     def load(cls, **overrides: object) -> Settings:
@@ -213,7 +276,13 @@ class Settings(BaseSettings):
         try:
             return cls(**overrides)  # type: ignore[arg-type]
         except ValidationError as exc:
-            raise SettingsError(f"invalid settings: {exc}") from exc
+            # without the inputs of secrets (API keys, passwords), which pydantic would print
+            details = []
+            for err in exc.errors(include_url=False):
+                field = ".".join(str(p) for p in err["loc"])
+                shown = "" if not field or _SECRET_FIELD.search(field) else f" (got {err.get('input')!r:.80})"
+                details.append(f"{field or 'settings'}: {err['msg']}{shown}")
+            raise SettingsError(f"invalid settings: {'; '.join(details)}") from None
 
     @cached_property
     def bootstrap_servers(self) -> str:
@@ -231,9 +300,7 @@ class Settings(BaseSettings):
         return value or None
 
     def api_key_tenants(self) -> dict[str, str]:
-        """``{api_key: tenant}`` parsed from ``api_keys``."""
-        out: dict[str, str] = {}
-        for part in filter(None, (p.strip() for p in self.api_keys.split(","))):
-            key, _, tenant = part.partition(":")
-            out[key] = tenant or "default"
-        return out
+        """``{api_key: tenant}`` parsed from ``api_keys`` (:func:`pipeline.auth.parse_api_keys` has tiers too)."""
+        from pipeline.auth import parse_api_keys
+
+        return {k.key: k.tenant for k in parse_api_keys(self.api_keys)}

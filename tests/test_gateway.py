@@ -28,6 +28,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pipeline.auth import ApiKey
 from pipeline.broker import EmbeddedKafka, free_port
 from pipeline.exceptions import InvalidRequestError
 from pipeline.gateway import start_gateway
@@ -46,12 +47,14 @@ from tests.conftest import Deployment
 # ---- the wire format, no broker ------------------------------------------------------------------
 
 SETTINGS = Settings(model="echo", max_content_bytes=1000)
+#: a key that may ask for anything
+TOP_KEY = ApiKey(key="k-top", tenant="acme", tier="premium", max_priority="realtime")
 
 
 def build(body: Any, headers: dict[str, str] | None = None, **kw: Any) -> ChatCall:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     args: dict[str, Any] = {
-        "settings": SETTINGS, "request_id": "rid-1", "tenant": "acme", "key_user": None,
+        "settings": SETTINGS, "request_id": "rid-1", "key": TOP_KEY,
         "reply_to": "surge.replies.gateway-x", "created_at_ms": 1_000,
     }  # fmt: skip
     args.update(kw)
@@ -80,7 +83,7 @@ def test_chat_body_becomes_an_inference_request() -> None:
         {"X-Surge-Priority": "realtime", "X-Surge-Deadline-Ms": "150"},
     )
     r = call.request
-    assert r["user_id"] == "alice" and r["tenant"] == "acme" and r["request_id"] == "rid-1"
+    assert r["user_id"] == "acme/alice" and r["tenant"] == "acme" and r["request_id"] == "rid-1"
     assert r["priority"] == "realtime" and r["tier"] == "free" and r["deadline_ms"] == 150
     assert r["max_tokens"] == 12 and r["temperature"] == 0.5 and r["logprobs"] is True
     assert r["messages"] == [
@@ -93,9 +96,13 @@ def test_chat_body_becomes_an_inference_request() -> None:
 
 def test_user_falls_back_to_the_key_then_anonymous_and_headers_override_body() -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "priority": "batch", "tier": "premium"}
-    assert build(body, key_user="key-abc").request["user_id"] == "key-abc"
+    assert build(body).request["user_id"] == f"acme/{TOP_KEY.key_user}"
+    assert TOP_KEY.key_user.startswith("key-") and "k-top" not in TOP_KEY.key_user
+    anonymous = ApiKey(key="", tenant="default")
+    r = build({**body, "tier": "free"}, {"X-Surge-Priority": "offline"}, key=anonymous).request
+    assert r["user_id"] == "default/anonymous" and r["priority"] == "offline"
     r = build(body, {"X-Surge-Priority": "offline"}).request
-    assert r["user_id"] == "anonymous" and r["priority"] == "offline" and r["tier"] == "premium"
+    assert r["priority"] == "offline" and r["tier"] == "premium"
     assert r["model"] == "echo", "the configured model when none is asked"
 
 
@@ -151,8 +158,11 @@ def test_stream_chunks_are_role_content_finish_usage() -> None:
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:-1])
     assert text == "one two three"
-    assert chunks[-2]["choices"][0]["finish_reason"] == "stop", "template answers finish with stop"
-    assert chunks[-2]["surge"]["served_from"] == "template" and chunks[-2]["surge"]["degradation_level"] == 3
+    assert chunks[-2]["choices"][0]["finish_reason"] == "content_filter", "a template is not a model's stop"
+    surge = chunks[-2]["surge"]
+    assert (
+        surge["served_from"] == "template" and surge["template"] is True and surge["degradation_level"] == 3
+    )
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
     assert {c["id"] for c in chunks} == {"chatcmpl-rid-1"}
 
