@@ -15,10 +15,25 @@ A merge is vetoed when the two texts differ in:
   :data:`WEAK_OPPOSITES` and veto only when one text has one side and the other the other side;
 * numbers (digits and number words, as a multiset), currencies, percent, dates (months, weekdays,
   relative days) and account references (masked numbers like ``****1234``, IBAN-like tokens);
-* the source of a movement: when both texts say "from X", X must be the same word.
+* the source of a movement: when both texts say "from X", X must be the same word;
+* antonyms (:data:`ANTONYMS_EN`, :data:`ANTONYMS_ZH`, by category: evaluation, price and amount,
+  size, speed and time, state, direction, person): one text has one side of a pair and the other text
+  the other side ("cheap"/"expensive", "faster"/"slower", 高/低, 多/少). English degree and adverb
+  forms are derived (cheaper, cheapest, quickly);
+* morphological negation: one text has a word and the other the same word with a negating prefix
+  (``un-``, ``in-``, ``im-``, ``il-``, ``ir-``, ``dis-``, ``non-``: "safe"/"unsafe",
+  "available"/"unavailable", "refundable"/"non-refundable") or with ``-less`` for ``-ful``.
 
-All checks compare features of each text for equality, so the guard is symmetric. The word lists
-are module-level constants: extend them there.
+Chinese words whose character does not carry the listed sense (非常 "very", 是否 "whether", 关于
+"about", 多少 "how many", 取消 "cancel" ...) are masked out before Chinese characters are matched
+(:data:`MASKED_COMPOUNDS_ZH`).
+
+Two strengths. :func:`guard_allows` (``strict=True``) also vetoes when one text names an action of
+:data:`OPPOSITE_ACTIONS` that the other does not name at all; :func:`hard_conflict` vetoes only real
+oppositions (one side X, the other side its opposite) and leaves the one-sided action word to the
+learned merge decision (:mod:`pipeline.pairs`), which reads it as a feature
+(:func:`action_asymmetry`). All checks compare features of each text, so the guard is symmetric. The
+word lists are module-level constants: extend them there.
 """
 
 from __future__ import annotations
@@ -41,6 +56,118 @@ NEGATIONS_EN: frozenset[str] = frozenset(
 NEGATIONS_ZH: frozenset[str] = frozenset(
     {"不", "没", "沒", "别", "別", "未", "无", "無", "非", "勿", "莫", "甭", "否"}
 )
+
+#: Chinese words made with a negating character that do not negate ("very", "whether", "future",
+#: "regardless", "other people" ...); masked out before negations are counted.
+NEGATION_FREE_ZH: tuple[str, ...] = (
+    "非常", "是否", "能否", "可否", "否则", "无论", "不论", "不过", "不仅", "不但", "不断", "未来",
+    "无线", "别人", "别的", "区别", "特别", "分别", "差别", "告别", "识别", "级别", "类别", "性别",
+    "莫名",
+)  # fmt: skip
+
+#: English antonym pairs by category: vetoed when one text has one side (and not the other) and the
+#: other text the other side. Degree and adverb forms (-er, -est, -ly) and plurals are derived;
+#: irregular ones are in :data:`ANTONYM_FORMS`.
+ANTONYMS_EN: dict[str, tuple[tuple[str, str], ...]] = {
+    "evaluation": (
+        ("good", "bad"), ("right", "wrong"), ("correct", "wrong"), ("positive", "negative"),
+        ("true", "false"), ("easy", "hard"), ("easy", "difficult"), ("simple", "complicated"),
+        ("happy", "sad"), ("happy", "angry"), ("love", "hate"), ("like", "hate"), ("success", "failure"),
+        ("safe", "dangerous"), ("safe", "risky"), ("secure", "vulnerable"), ("strong", "weak"),
+        ("clean", "dirty"), ("polite", "rude"), ("useful", "useless"), ("best", "worst"),
+    ),
+    "price": (
+        ("cheap", "expensive"), ("cheap", "costly"), ("free", "paid"), ("high", "low"), ("rich", "poor"),
+        ("profit", "loss"), ("gain", "loss"), ("win", "lose"), ("discount", "surcharge"),
+    ),
+    "size": (
+        ("big", "small"), ("large", "small"), ("big", "little"), ("long", "short"), ("tall", "short"),
+        ("many", "few"), ("most", "least"), ("full", "empty"), ("heavy", "light"), ("wide", "narrow"),
+        ("thick", "thin"), ("deep", "shallow"), ("huge", "tiny"),
+    ),
+    "speed_time": (
+        ("fast", "slow"), ("quick", "slow"), ("early", "late"), ("young", "old"), ("past", "future"),
+        ("morning", "evening"), ("day", "night"), ("daily", "weekly"), ("weekly", "monthly"),
+        ("monthly", "yearly"), ("monthly", "annual"), ("temporary", "permanent"), ("soon", "later"),
+    ),
+    "state": (
+        ("hot", "cold"), ("warm", "cold"), ("wet", "dry"), ("light", "dark"), ("loud", "quiet"),
+        ("hard", "soft"), ("public", "private"), ("same", "different"), ("present", "absent"),
+        ("alive", "dead"), ("online", "offline"), ("internal", "external"), ("import", "export"),
+        ("arrive", "depart"), ("pass", "fail"), ("push", "pull"), ("visible", "hidden"),
+        ("physical", "virtual"), ("physical", "digital"), ("personal", "business"), ("single", "joint"),
+        ("local", "foreign"), ("manual", "automatic"), ("expired", "valid"), ("busy", "idle"),
+    ),
+    "direction": (
+        ("left", "right"), ("top", "bottom"), ("front", "back"), ("forward", "backward"),
+        ("inbound", "outbound"), ("upload", "download"), ("import", "export"),
+    ),
+    "person": (
+        ("man", "woman"), ("men", "women"), ("boy", "girl"), ("male", "female"), ("husband", "wife"),
+        ("father", "mother"), ("son", "daughter"), ("brother", "sister"), ("gentleman", "lady"),
+        ("king", "queen"), ("adult", "child"), ("adults", "children"), ("buyer", "seller"),
+        ("sender", "recipient"), ("employer", "employee"), ("landlord", "tenant"),
+    ),
+}  # fmt: skip
+
+#: Irregular forms of words in :data:`ANTONYMS_EN`.
+ANTONYM_FORMS: dict[str, tuple[str, ...]] = {
+    "good": ("better", "best", "well"),
+    "bad": ("worse", "worst", "badly"),
+    "many": ("more", "most"),
+    "few": ("fewer", "fewest"),
+    "little": ("less", "least"),
+    "lose": ("lost", "losing", "loses"),
+    "win": ("won", "winning", "wins"),
+    "pay": ("paid",),
+    "hide": ("hidden",),
+}
+
+#: Prefixes that negate the word they are put in front of; "safe"/"unsafe" is vetoed when one text
+#: has the word and the other the prefixed word (and not the word itself).
+NEGATING_PREFIXES: tuple[str, ...] = ("un", "in", "im", "il", "ir", "dis", "non-", "non")
+
+#: Prefixed words whose prefix does not negate, even when the rest is a word ("improve", "inform").
+PREFIX_FALSE_FRIENDS: frozenset[str] = frozenset(
+    {
+        "discover", "disclose", "discount", "dispatch", "display", "dispose", "disposable", "dispute",
+        "discuss", "distance", "district", "improve", "import", "impose", "impress", "inform", "install",
+        "insure", "income", "invest", "invoice", "intend", "inside", "insight", "input", "inflow",
+        "index", "infix", "involve", "impact", "impart", "illegible", "unit", "union", "unite",
+        "until", "under", "understand", "indent", "inbound", "invert", "implant", "impound",
+    }
+)  # fmt: skip
+
+#: Chinese antonym pairs by category, matched as substrings after masking
+#: :data:`MASKED_COMPOUNDS_ZH`; vetoed like :data:`ANTONYMS_EN`.
+ANTONYMS_ZH: dict[str, tuple[tuple[str, str], ...]] = {
+    "evaluation": (("好", "坏"), ("对", "错"), ("正确", "错误"), ("成功", "失败"), ("安全", "危险"),
+                   ("容易", "困难"), ("简单", "复杂"), ("真", "假"), ("喜欢", "讨厌")),
+    "price": (("便宜", "贵"), ("免费", "收费"), ("高", "低"), ("涨", "跌"), ("盈利", "亏损"), ("赢", "输")),
+    "size": (("多", "少"), ("大", "小"), ("长", "短"), ("胖", "瘦"), ("深", "浅"), ("宽", "窄"),
+             ("粗", "细"), ("重", "轻")),
+    "speed_time": (("快", "慢"), ("早", "晚"), ("新", "旧"), ("老", "新"), ("以前", "以后"), ("之前", "之后"),
+                   ("上午", "下午"), ("白天", "晚上"), ("临时", "永久")),
+    "state": (("开", "关"), ("冷", "热"), ("干", "湿"), ("明", "暗"), ("公", "私"), ("在线", "离线"),
+              ("国内", "国外"), ("国内", "境外"), ("进口", "出口"), ("有效", "失效"), ("上线", "下线")),
+    "direction": (("左", "右"), ("南", "北"), ("收入", "支出"), ("转入", "转出"), ("上涨", "下跌"),
+                  ("上升", "下降"), ("进", "出")),
+    "person": (("男", "女"), ("丈夫", "妻子"), ("父亲", "母亲"), ("儿子", "女儿"), ("哥哥", "姐姐"),
+               ("买家", "卖家"), ("房东", "租客")),
+}  # fmt: skip
+
+#: Chinese words in which a character of the lists above does not carry its listed sense (关于 "about",
+#: 多少 "how many", 取消 "cancel", 还是 "or", 开心 "happy", 新闻 "news" ...): masked out before the
+#: antonym and opposite-action characters are matched.
+MASKED_COMPOUNDS_ZH: tuple[str, ...] = (
+    "关于", "关系", "相关", "有关", "关注", "海关", "机关", "开心", "离开", "公开", "开发", "开展",
+    "多少", "至少", "不少", "多久", "大家", "大概", "大约", "大学", "大小", "长短", "小时", "小心",
+    "小姐", "行长", "部长", "成长", "长度", "短信", "快递", "尽快", "愉快", "重新", "重要", "严重",
+    "新闻", "高兴", "好像", "好的", "你好", "您好", "好吗", "只好", "最好", "对于", "对方", "针对",
+    "面对", "对话", "取消", "存在", "还是", "还有", "还没", "还在", "还能", "还要", "还会", "还可",
+    "进行", "出现", "出来", "干净", "明白", "明天", "说明", "证明", "公司", "公里", "老师", "干什么",
+    "多长", "晚饭", "早饭", "左右", "真的", "热情", "进入", "出去", "老板",
+)  # fmt: skip
 
 #: Opposite actions: a merge is vetoed when the texts' sets of these words differ. Each entry is a
 #: pair of base words; inflections (-s, -es, -ed, -d, -ing, doubled consonants) are derived, irregular
@@ -179,6 +306,49 @@ _ACTION_LEXICON: dict[str, frozenset[str]] = _build_lexicon()
 _WEAK_WORDS: frozenset[str] = frozenset(w for pair in WEAK_OPPOSITES for w in pair)
 
 
+def _degree_forms(word: str) -> set[str]:
+    """``word`` with plural, comparative, superlative and adverb endings (cheap -> cheaper, cheapest,
+    cheaply; big -> bigger; easy -> easier, easily), plus :data:`ANTONYM_FORMS`."""
+    forms = {word, word + "s", word + "er", word + "est", word + "ly"}
+    if word.endswith("e"):
+        forms |= {word + "r", word + "st", word[:-1] + "ly"}
+    if word.endswith("y"):
+        forms |= {word[:-1] + "ier", word[:-1] + "iest", word[:-1] + "ily"}
+    if len(word) >= 3 and word[-1] not in "aeiouwxy" and word[-2] in "aeiou" and word[-3] not in "aeiou":
+        forms |= {word + word[-1] + "er", word + word[-1] + "est"}
+    forms.update(ANTONYM_FORMS.get(word, ()))
+    return forms
+
+
+_ANTONYM_PAIRS_EN: tuple[tuple[str, str], ...] = tuple(
+    dict.fromkeys(pair for pairs in ANTONYMS_EN.values() for pair in pairs)
+)
+_ANTONYM_PAIRS_ZH: tuple[tuple[str, str], ...] = tuple(
+    dict.fromkeys(pair for pairs in ANTONYMS_ZH.values() for pair in pairs)
+)
+
+
+def _build_poles() -> dict[str, frozenset[tuple[int, int]]]:
+    """Map each surface form to the (antonym pair, side) it stands for."""
+    poles: dict[str, set[tuple[int, int]]] = {}
+    for k, pair in enumerate(_ANTONYM_PAIRS_EN):
+        for side, base in enumerate(pair):
+            for form in _degree_forms(base):
+                poles.setdefault(form, set()).add((k, side))
+    return {form: frozenset(v) for form, v in poles.items()}
+
+
+_POLE_LEXICON: dict[str, frozenset[tuple[int, int]]] = _build_poles()
+_ZH_OFFSET = len(_ANTONYM_PAIRS_EN)
+
+
+def _mask_zh(prepared: str) -> str:
+    for compound in MASKED_COMPOUNDS_ZH:
+        if compound in prepared:
+            prepared = prepared.replace(compound, "\u3000")
+    return prepared
+
+
 @dataclass(frozen=True)
 class GuardFeatures:
     """What the guard compares, extracted once per text (see :func:`features`)."""
@@ -191,6 +361,9 @@ class GuardFeatures:
     dates: frozenset[str]
     refs: frozenset[str]
     sources: frozenset[str]
+    #: (antonym pair, side) taken by the text; pairs of :data:`ANTONYMS_ZH` follow those of English
+    poles: frozenset[tuple[int, int]] = frozenset()
+    words: frozenset[str] = frozenset()
 
 
 def _canonical_number(token: str) -> str:
@@ -236,13 +409,24 @@ def features(text: str) -> GuardFeatures:
     word_set = set(words)
 
     negations = sum(1 for w in words if w in NEGATIONS_EN or w.endswith("n't"))
-    negations += sum(1 for ch in prepared if ch in NEGATIONS_ZH)
+    free_zh = prepared
+    for word in NEGATION_FREE_ZH:
+        if word in free_zh:
+            free_zh = free_zh.replace(word, " ")
+    negations += sum(1 for ch in free_zh if ch in NEGATIONS_ZH)
+    masked_zh = _mask_zh(free_zh)
 
     actions: set[str] = set()
     for w in words:
         actions.update(_ACTION_LEXICON.get(w, ()))
     for a, b in OPPOSITE_ACTIONS_ZH:
-        actions.update(x for x in (a, b) if x in prepared)
+        actions.update(x for x in (a, b) if x in masked_zh)
+
+    poles: set[tuple[int, int]] = set()
+    for w in word_set:
+        poles.update(_POLE_LEXICON.get(w, ()))
+    for k, pair in enumerate(_ANTONYM_PAIRS_ZH):
+        poles.update((_ZH_OFFSET + k, side) for side, x in enumerate(pair) if x in masked_zh)
 
     # dates like 3/4/2024 stay one token (3/4/2024 is not 4/3/2024); other numbers form a multiset
     numbers = [_canonical_date(d) for d in _DATE_RE.findall(prepared)]
@@ -281,6 +465,8 @@ def features(text: str) -> GuardFeatures:
         dates=frozenset(dates),
         refs=frozenset(refs),
         sources=frozenset(sources),
+        poles=frozenset(poles),
+        words=frozenset(word_set),
     )
 
 
@@ -294,18 +480,65 @@ def _weak_conflict(a: frozenset[str], b: frozenset[str]) -> tuple[str, str] | No
     return None
 
 
-def compatible(fa: GuardFeatures, fb: GuardFeatures) -> tuple[bool, str | None]:
+def _pole_conflict(a: frozenset[tuple[int, int]], b: frozenset[tuple[int, int]]) -> str | None:
+    """The first antonym pair that ``a`` and ``b`` take opposite sides of, named symmetrically."""
+    for k, side in sorted(a - b):
+        other = (k, 1 - side)
+        if other in b and other not in a:
+            pair = _ANTONYM_PAIRS_EN[k] if k < _ZH_OFFSET else _ANTONYM_PAIRS_ZH[k - _ZH_OFFSET]
+            return "/".join(pair)
+    return None
+
+
+def _prefix_negated(a: frozenset[str], b: frozenset[str]) -> str | None:
+    """A word of one text that the other text has only with a negating prefix (or -ful vs -less)."""
+    for x, y in ((a, b), (b, a)):
+        for word in sorted(y - x):
+            if word in PREFIX_FALSE_FRIENDS:
+                continue
+            for prefix in NEGATING_PREFIXES:
+                base = word[len(prefix) :]
+                if word.startswith(prefix) and len(base) >= 4 and base in x and base not in y:
+                    return f"{base}/{word}"
+            if word.endswith("less") and word[:-4] + "ful" in x and word[:-4] + "ful" not in y:
+                return f"{word[:-4]}ful/{word}"
+    return None
+
+
+def _action_conflict(a: frozenset[str], b: frozenset[str]) -> tuple[str, str] | None:
+    """An opposite-action pair that one text takes one side of and the other text the other side."""
+    for x, y in OPPOSITE_ACTIONS + OPPOSITE_ACTIONS_ZH:
+        if (x in a and y not in a and y in b and x not in b) or (
+            y in a and x not in a and x in b and y not in b
+        ):
+            return (x, y)
+    return None
+
+
+def compatible(fa: GuardFeatures, fb: GuardFeatures, strict: bool = True) -> tuple[bool, str | None]:
     """Compare two texts' features; ``(False, reason)`` on the first difference that changes meaning.
 
-    The reason names what differs without saying which side had it, so it is symmetric too.
+    ``strict``: an action word of :data:`OPPOSITE_ACTIONS` that only one text names vetoes too;
+    otherwise only an action and its opposite do. The reason names what differs without saying which
+    side had it, so it is symmetric too.
     """
     if fa.negations != fb.negations:
         return False, "negation differs"
-    if fa.actions != fb.actions:
+    if strict and fa.actions != fb.actions:
         return False, "opposite actions: " + "/".join(sorted(fa.actions ^ fb.actions))
+    if not strict:
+        conflict = _action_conflict(fa.actions, fb.actions)
+        if conflict is not None:
+            return False, "opposite actions: " + "/".join(conflict)
     weak = _weak_conflict(fa.weak, fb.weak)
     if weak is not None:
         return False, "opposite words: " + "/".join(weak)
+    antonym = _pole_conflict(fa.poles, fb.poles)
+    if antonym is not None:
+        return False, "antonyms: " + antonym
+    prefixed = _prefix_negated(fa.words, fb.words)
+    if prefixed is not None:
+        return False, "negated by prefix: " + prefixed
     if fa.numbers != fb.numbers:
         return False, "numbers differ: " + ",".join(sorted(set(fa.numbers) ^ set(fb.numbers)) or ["count"])
     if fa.currencies != fb.currencies:
@@ -322,6 +555,19 @@ def compatible(fa: GuardFeatures, fb: GuardFeatures) -> tuple[bool, str | None]:
 def guard_allows(a: str, b: str) -> tuple[bool, str | None]:
     """Whether texts ``a`` and ``b`` may share one answer; ``(False, reason)`` when vetoed.
 
-    Called for every pair whose embeddings are close enough; symmetric in ``a`` and ``b``.
+    The strict guard of the plain threshold rule (:class:`pipeline.pairs.ThresholdDecision`);
+    symmetric in ``a`` and ``b``.
     """
-    return compatible(features(a), features(b))
+    return compatible(features(a), features(b), strict=True)
+
+
+def hard_conflict(a: str, b: str) -> str | None:
+    """Why ``a`` and ``b`` must never share an answer, or None: the guard without the one-sided
+    action rule. Used by the learned decision (:class:`pipeline.pairs.LearnedDecision`)."""
+    allowed, reason = compatible(features(a), features(b), strict=False)
+    return None if allowed else reason
+
+
+def action_asymmetry(a: str, b: str) -> int:
+    """How many words of :data:`OPPOSITE_ACTIONS` only one of the texts names (a learned feature)."""
+    return len(features(a).actions ^ features(b).actions)
