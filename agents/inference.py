@@ -1,10 +1,13 @@
 """The inference agent: strict-priority reads, embedding, cache and merge, micro-batches, replies.
 
-Four readers (one per work topic) admit items into one scheduler; a lower class is read only
-while no higher class has items waiting, and its partitions are paused while it may not be read,
-so backlog waits in Kafka. New items are embedded in batches, answered from the semantic cache,
-or merged into an open leader; the rest wait for a micro-batch. The model runs in a worker
-thread. A reply is sent for every request and its offset acked only after the broker has it.
+Four readers (one per work topic) admit items; a reader may take a record only while its class has
+room (items waiting to be embedded count, as do queued ones) and no higher class has anything
+waiting, so backlog stays in Kafka and strict priority holds across the whole worker. New items
+are embedded in batches (higher classes first, batches growing with the backlog), answered from
+the semantic cache, or merged into an open leader; the rest wait for a micro-batch. The vector
+travels with the item, so the FAQ answerer does not embed again. The model runs in a worker
+thread. A reply is recorded and sent for every request and its offset acked, in offset order, only
+after the broker has it. See docs/architecture.md, "The path of a request".
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -20,7 +24,9 @@ import faust
 from faust.types import EventT
 from pydantic import ValidationError
 
+from agents.acks import Ticket
 from agents.exceptions import WorkItemError
+from agents.intake import scope_of
 from agents.outcomes import Outcome, Pending, ReplyWriter
 from agents.runtime import Runtime, event_context
 from models.base import ChatMessage, ModelBackend, ModelInput, ModelOutput
@@ -28,16 +34,17 @@ from models.embedder import Embedder
 from pipeline.admin import changelog_topics
 from pipeline.batcher import AsyncBatcher, BatchObserver
 from pipeline.cache import AnswerCache, CachedAnswer
-from pipeline.dedup import exact_key, guard_allows, is_embeddable, normalize, scope_key
+from pipeline.dedup import exact_key, guard_allows, is_embeddable, normalize
 from pipeline.degrade import DegradationController, DegradeConfig, MissRateWindow, plan
 from pipeline.exceptions import DeadlineExceededError, OverloadedError, SurgeError
 from pipeline.isolation import RetryPolicy, run_isolated
+from pipeline.keys import reply_key, source_key
 from pipeline.merge import MergeRegistry
 from pipeline.records import WorkItem, now_ms
-from pipeline.scheduler import DeadlinePolicy, Priority, QueuedItem, Scheduler, SchedulerConfig, Tier
+from pipeline.scheduler import DeadlinePolicy, QueuedItem, Scheduler, SchedulerConfig
+from pipeline.terms import PRIORITIES, RANK, Priority, Tier
 
 log = logging.getLogger("surge.inference")
-RANK = {p: i for i, p in enumerate(("realtime", "interactive", "batch", "offline"))}
 
 
 def decode_work_item(event: EventT) -> WorkItem:
@@ -52,14 +59,6 @@ def decode_work_item(event: EventT) -> WorkItem:
 class _Observer(BatchObserver):
     def __init__(self, inf: Inference) -> None:
         self.inf = inf
-
-    def on_depth(self, depths: Any) -> None:
-        m = self.inf.rt.metrics
-        total = 0
-        for p, n in depths.items():
-            m.requests_queue_depth.labels(priority=str(p)).set(n)
-            total += n
-        m.requests_in_queue_per_worker.set(total)
 
     def on_flush(self, size: int, limit: int, waits_ms: Any) -> None:
         self.inf.rt.metrics.batch_fill_ratio.observe(size / max(1, limit))
@@ -83,9 +82,9 @@ class Inference:
         self.embedder = embedder
         self.cache = cache
         cfg = SchedulerConfig(
-            deadline_ms={p: s.deadline_ms(p) for p in RANK},
-            queue_limit={p: s.queue_limit_per_class for p in RANK},
-            deadline_policy={"batch": DeadlinePolicy(s.deadline_policy_batch)},
+            deadline_ms={Priority(p): s.deadline_ms(p) for p in PRIORITIES},
+            queue_limit={Priority(p): s.queue_limit_per_class for p in PRIORITIES},
+            deadline_policy={Priority.BATCH: DeadlinePolicy(s.deadline_policy_batch)},
             max_batch_size=min(s.max_batch_size, model.max_batch_size),
             base_batch_size=min(s.base_batch_size, s.max_batch_size, model.max_batch_size),
             max_wait_ms=s.max_wait_ms,
@@ -108,20 +107,39 @@ class Inference:
         self.embed_pool = ThreadPoolExecutor(1, thread_name_prefix="surge-embed")
         self.retry = RetryPolicy()
         self.replies = ReplyWriter(rt, model)
+        self.replies.on_answered = self._answered
         self.ready = asyncio.Event()
-        self._arrivals: list[Pending] = []
+        self.loaded = False
+        self.use_vectors = False
+        #: admitted items waiting to be embedded, per class
+        self._arrivals: dict[str, deque[Pending]] = {p: deque() for p in PRIORITIES}
         self._arrived = asyncio.Event()
+        #: set whenever items leave the arrivals or the queue (readers may have room again)
+        self._room = asyncio.Event()
+        #: requests admitted and not yet answered, by reply key (a redelivered copy becomes a twin)
+        self._inflight: dict[str, Pending] = {}
         self._blocked: set[str] = set()
         self.model_calls = 0
+        self.embed_calls = 0
+        self.stopping = False
 
     # ---- start ---------------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Load the models off the event loop; readers wait for this."""
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self.model_pool, self.model.load)
+    def load(self) -> None:
+        """Load and warm up the models and the embedder (blocking). The worker calls this before it
+        joins the consumer group, so it never holds partitions it cannot serve yet."""
+        if self.loaded:
+            return
+        self.model.load()
         if self.template_model is not None and self.template_model is not self.model:
-            await loop.run_in_executor(self.model_pool, self.template_model.load)
-        await loop.run_in_executor(self.model_pool, self._warm_up)
+            self.template_model.load()
+        self._warm_up()
+        self.use_vectors = self.embedder is not None and self.model.accepts_vectors_from(self.embedder)
+        self.loaded = True
+
+    async def start(self) -> None:
+        """Finish start-up on the event loop; readers wait for ``ready``."""
+        if not self.loaded:
+            await asyncio.get_running_loop().run_in_executor(self.model_pool, self.load)
         if self.cache is not None:
             self.cache.sync()
             # the answers table picks changelog partitions with the producer's partitioner, which
@@ -142,59 +160,142 @@ class Inference:
             if self.template_model is not None:
                 self.template_model.template_answer(probe)
             if self.embedder is not None:
-                self.embedder.embed(["warm up"])
+                for n in (1, 8, self.rt.settings.embed_max_batch_size):
+                    self.embedder.embed(["warm up the embedder"] * n)
         except Exception:  # a failing warm-up is the first batch's problem, not the worker's
             log.exception("warm-up call failed")
+
+    def waiting(self, priority: str | None = None) -> int:
+        """Items admitted and not yet in a batch: waiting to be embedded or queued."""
+        if priority is None:
+            return sum(len(q) for q in self._arrivals.values()) + self.scheduler.depth()
+        return len(self._arrivals[priority]) + self.scheduler.depth(Priority(priority))
 
     def status(self) -> dict[str, object]:
         """What /status shows: queue depths, paused topics, open leaders, model calls."""
         return {
             "ready": self.ready.is_set(),
             "depths": {str(p): n for p, n in self.scheduler.depths().items()},
-            "arrivals_waiting": len(self._arrivals),
+            "arrivals_waiting": {p: len(q) for p, q in self._arrivals.items()},
             "blocked_classes": sorted(self._blocked),
             "open_leaders": len(self.merges),
+            "in_flight": len(self._inflight),
             "model_calls": self.model_calls,
+            "embed_calls": self.embed_calls,
             "batches": self.batcher.batches,
             "degradation_level": self.controller.level,
+            "unacked_records": self.rt.acker.pending(),
         }
 
     # ---- admission (one reader per class) ---------------------------------------------------------
-    async def admit(self, priority: str, stream: faust.StreamT, event: EventT) -> None:
-        """Called by a work-topic reader for each record, in order."""
-        await self.ready.wait()
+    def can_admit(self, priority: str) -> bool:
+        """Whether a reader of ``priority`` may take its next record; called before each read.
+
+        Room in the class (embedding backlog included), room in the embedding backlog, and (under
+        EDF) nothing waiting in any higher class. Never while the worker is stopping.
+        """
         s = self.rt.settings
-        prio = Priority(priority)
-        if not self.scheduler.can_admit(prio):
+        if self.stopping:
+            return False
+        if sum(len(q) for q in self._arrivals.values()) >= s.embed_queue_limit:
+            return False
+        if self.waiting(priority) >= s.queue_limit_per_class:
+            return False
+        if s.queue_policy == "edf":
+            rank = RANK[priority]
+            return not any(self.waiting(p) for p in PRIORITIES[:rank])
+        return True
+
+    async def _wait_admit(self, priority: str) -> None:
+        while not self.can_admit(priority):
             # While this reader waits, Faust's flow control pauses the topic's partitions once the
             # stream buffer (stream_buffer_max_records) is full: the backlog stays in Kafka.
             self._blocked.add(priority)
-            await self.batcher.wait_admit(prio)
-            self._blocked.discard(priority)
+            self._room.clear()
+            await self._room.wait()
+        self._blocked.discard(priority)
+
+    async def admit(self, priority: str, stream: faust.StreamT, event: EventT) -> None:
+        """Called by a work-topic reader for each record, in order."""
+        rt = self.rt
+        ticket = rt.acker.track(stream, event)
+        await self.ready.wait()
+        await self._wait_admit(priority)
         try:
             work = decode_work_item(event)
         except WorkItemError as exc:
-            fut = await self.rt.deadletter(event, "invalid_work_item", exc.message)
-            self.replies.ack_later(stream, [event], [fut])
+            rt.acker.ack_after([ticket], [await rt.deadletter(event, "invalid_work_item", exc.message)])
             return
         req = work.request
-        level = self.controller.level if self.rt.settings.degrade_enabled else 0
-        p = plan(
-            level, priority, work.tier, req.max_tokens, req.logprobs, max_tokens_cap=s.degrade_max_tokens_cap
-        )
-        inp = ModelInput(
-            messages=tuple(ChatMessage(m.role, m.content) for m in req.chat()),
-            max_tokens=p.max_tokens, temperature=req.temperature, logprobs=p.logprobs,
-        )  # fmt: skip
-        scope = scope_key(req.tenant, req.model or self.model.name, p.max_tokens, req.temperature, p.logprobs)
-        pending = Pending(stream, event, work, scope, inp, level=p.level_applied)
+        recorded = rt.recorded(req.tenant, req.user_id, req.request_id)
+        if recorded is not None:
+            rt.acker.ack_after([ticket], [await rt.resend(recorded, work.reply_to, req.user_id)])
+            return
+        pending = self._pending(stream, event, ticket, work)
+        key = reply_key(req.tenant, req.user_id, req.request_id)
+        first = self._inflight.get(key)
+        if first is not None:  # the same request read again while its first copy is in flight
+            first.twins.append(pending)
+            return
+        self._inflight[key] = pending
+        p = self._plan(pending)
         if p.use_template and self.template_model is not None:
             await self.replies.send([Outcome(pending, self._template(pending), "template")])
             return
-        self._arrivals.append(pending)
+        self._arrivals[priority].append(pending)
         self._arrived.set()
 
+    def _pending(self, stream: faust.StreamT, event: EventT, ticket: Ticket, work: WorkItem) -> Pending:
+        req = work.request
+        inp = ModelInput(
+            messages=tuple(ChatMessage(m.role, m.content) for m in req.chat()),
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            logprobs=req.logprobs,
+        )
+        msg = event.message
+        return Pending(
+            stream, event, work, scope="", inp=inp, ticket=ticket,
+            lead_id=source_key(msg.topic, msg.partition, msg.offset),
+        )  # fmt: skip
+
+    def _plan(self, it: Pending) -> Any:
+        """Apply the current degradation level to an item (at admission, and again when popped if
+        the level rose meanwhile); sets its level, parameters, scope and cache key."""
+        s = self.rt.settings
+        level = self.controller.level if s.degrade_enabled else 0
+        req = it.work.request
+        p = plan(
+            level, it.work.priority, it.work.tier, req.max_tokens, req.logprobs,
+            max_tokens_cap=s.degrade_max_tokens_cap,
+        )  # fmt: skip
+        it.level = p.level_applied
+        it.inp = replace(it.inp, max_tokens=p.max_tokens, logprobs=p.logprobs)
+        # a degraded answer is cached under the parameters it was made with, not the asked ones
+        it.scope = scope_of(req, s.served_model, self.model.version, p.max_tokens, p.logprobs)
+        it.cache_key = exact_key(normalize(it.inp.text), it.scope) if req.cache else None
+        return p
+
+    def _answered(self, it: Pending) -> None:
+        req = it.work.request
+        key = reply_key(req.tenant, req.user_id, req.request_id)
+        if self._inflight.get(key) is it:
+            del self._inflight[key]
+
     # ---- embedding, cache, merge ------------------------------------------------------------------
+    def _take_arrivals(self) -> list[Pending]:
+        """The next embedding batch: highest classes first, at most ``embed_max_batch_size``; a batch
+        holding real-time items stops at them, so they never wait for a long embedding call."""
+        limit = self.rt.settings.embed_max_batch_size
+        out: list[Pending] = []
+        for p in PRIORITIES:
+            q = self._arrivals[p]
+            while q and len(out) < limit:
+                out.append(q.popleft())
+            if out and p == "realtime":
+                break
+        return out
+
     async def embed_loop(self) -> None:
         """Embed arrivals in batches, then answer from cache, merge, or queue each one."""
         await self.ready.wait()
@@ -203,47 +304,60 @@ class Inference:
         while True:
             await self._arrived.wait()
             self._arrived.clear()
-            items, self._arrivals = self._arrivals, []
+            items = self._take_arrivals()
+            if any(self._arrivals.values()):
+                self._arrived.set()
             if not items:
                 continue
             want = [
                 i for i, it in enumerate(items)
-                if self.embedder is not None and (s.dedup_enabled or (s.cache_enabled and it.work.request.cache))
-                and is_embeddable(it.inp.text, self.embedder.multilingual)
+                if self.embedder is not None
+                and (self.use_vectors or s.dedup_enabled or (s.cache_enabled and it.work.request.cache))
+                and (self.use_vectors or is_embeddable(it.inp.text, self.embedder.multilingual))
             ]  # fmt: skip
             if want:
                 assert self.embedder is not None
-                vecs = await loop.run_in_executor(
-                    self.embed_pool, self.embedder.embed, [items[i].inp.text for i in want]
-                )
-                for row, i in enumerate(want):
-                    items[i].vector = vecs[row]
+                self.rt.metrics.embed_batch_size.observe(len(want))
+                self.embed_calls += 1
+                try:
+                    vecs = await loop.run_in_executor(
+                        self.embed_pool, self.embedder.embed, [items[i].inp.text for i in want]
+                    )
+                except Exception:
+                    log.exception("embedding %d questions failed; they go on without vectors", len(want))
+                else:
+                    for row, i in enumerate(want):
+                        items[i].vector = vecs[row]
+                        if self.use_vectors:
+                            items[i].inp = replace(items[i].inp, vector=vecs[row])
             done: list[Outcome] = []
             for it in items:
                 try:
                     with event_context(it.event):
-                        await self._route(it, done)
+                        self._route(it, done)
                 except Exception as exc:
                     log.exception("routing %s failed", it.req_id)
-                    done.append(Outcome.error(it, SurgeError(f"internal error: {exc!r}")))
+                    done.append(Outcome.error(it, SurgeError(f"internal error: {type(exc).__name__}")))
+            self._room.set()
             if done:
                 await self.replies.send(done, batch_size=0)
 
-    async def _route(self, it: Pending, done: list[Outcome]) -> None:
+    def _semantic_ok(self, it: Pending) -> bool:
+        return it.vector is not None and (
+            self.embedder is None or is_embeddable(it.inp.text, self.embedder.multilingual)
+        )
+
+    def _route(self, it: Pending, done: list[Outcome]) -> None:
         s, m = self.rt.settings, self.rt.metrics
         req = it.work.request
-        use_cache = s.cache_enabled and req.cache and self.cache is not None
-        if use_cache:
-            assert self.cache is not None
-            it.cache_key = exact_key(normalize(it.inp.text), it.scope)
+        if s.cache_enabled and req.cache and self.cache is not None:
+            assert it.cache_key is not None
             hit = self.cache.get_exact(it.cache_key)
-            if hit is None and it.vector is not None:
+            if hit is None and self._semantic_ok(it):
                 found = self.cache.search(
-                    it.scope,
-                    it.vector,
-                    s.semantic_threshold,
+                    it.scope, it.vector, s.semantic_threshold,  # type: ignore[arg-type]
                     accept=lambda e: guard_allows(e.text, it.inp.text)[0],
-                )
+                )  # fmt: skip
             else:
                 found = (hit, 1.0) if hit is not None else None
             m.cache_lookups.labels(layer="semantic", result="hit" if found else "miss").inc()
@@ -252,14 +366,16 @@ class Inference:
                 out = ModelOutput(entry.answer, entry.finish_reason)
                 done.append(Outcome(it, out, "cache", entry.request_id, sim, entry.model_version))
                 return
+        rank = RANK[it.work.priority]
+        vector = it.vector if self._semantic_ok(it) else None
         if s.dedup_enabled and req.cache:
-            joined = self.merges.find(it.scope, it.inp.text, it.vector, RANK[it.work.priority])
+            joined = self.merges.find(it.scope, it.inp.text, vector, rank)
             if joined is not None:
                 leader, sim = joined
                 leader.followers.append((it, sim))
                 return
         item = QueuedItem(
-            item_id=req.request_id, user_id=req.user_id, priority=Priority(it.work.priority),
+            item_id=it.lead_id, user_id=req.user_id, priority=Priority(it.work.priority),
             tier=Tier(it.work.tier), created_at_ms=it.work.created_at_ms,
             deadline_at_ms=it.work.deadline_at_ms, enqueued_at_ms=now_ms(), payload=it,
         )  # fmt: skip
@@ -269,7 +385,7 @@ class Inference:
             done.append(Outcome.error(it, exc))
             return
         if s.dedup_enabled and req.cache:
-            self.merges.open(req.request_id, it.scope, it.inp.text, it.vector, RANK[it.work.priority])
+            self.merges.open(it.lead_id, it.scope, it.inp.text, vector, rank)
 
     # ---- batches ---------------------------------------------------------------------------------
     async def batch_loop(self) -> None:
@@ -277,6 +393,7 @@ class Inference:
         await self.ready.wait()
         while True:
             batch = await self.batcher.next_batch()
+            self._room.set()
             now = now_ms()
             done: list[Outcome] = []
             for q in batch.expired:
@@ -285,72 +402,75 @@ class Inference:
                 deadline = int((q.deadline_at_ms or now) - it.work.created_at_ms)
                 err = DeadlineExceededError(deadline, late, str(q.priority))
                 self.rt.metrics.deadline_missed.labels(priority=str(q.priority)).inc()
-                self.misses.record(True, now)
+                if not it.work.client_deadline:
+                    self.misses.record(True, now)
                 done.append(Outcome.error(it, err))
-                for f, _ in self.merges.close(it.req_id):
+                for f, _ in self.merges.close(it.lead_id):
                     done.append(Outcome.error(f, err))
             if done:
                 await self.replies.send(done, batch_size=0)
             if batch.items:
                 try:
-                    await self._run(batch.items, batch.limit)
+                    await self._run(batch.items)
                 except Exception as exc:
                     log.exception("batch of %d failed", len(batch.items))
-                    err = SurgeError(f"internal error: {exc!r}")
-                    await self.replies.send([Outcome.error(q.payload, err) for q in batch.items])
-            self._observe_pressure()
+                    err = SurgeError(f"internal error: {type(exc).__name__}")
+                    failed: list[Outcome] = []
+                    for q in batch.items:
+                        failed.append(Outcome.error(q.payload, err))
+                        failed.extend(Outcome.error(f, err) for f, _ in self.merges.close(q.payload.lead_id))
+                    await self.replies.send(failed)
 
-    def _observe_pressure(self) -> None:
+    async def pressure_loop(self) -> None:
+        """Read the pressure on a timer (also when no batch runs), so the level steps down again."""
+        s = self.rt.settings
+        while True:
+            await asyncio.sleep(s.degrade_tick_ms / 1000)
+            self.observe_pressure()
+
+    def observe_pressure(self) -> int:
+        """Feed the controller and the gauges; returns the level."""
+        m = self.rt.metrics
+        total = 0
+        for p in PRIORITIES:
+            n = self.waiting(p)
+            m.requests_queue_depth.labels(priority=p).set(n)
+            total += n
+        m.requests_in_queue_per_worker.set(total)
         if not self.rt.settings.degrade_enabled:
-            return
+            return 0
         now = now_ms()
-        level = self.controller.observe(self.scheduler.depth(), self.misses.miss_rate(now), now)
-        self.rt.metrics.degradation_level.set(level)
+        level = self.controller.observe(total, self.misses.miss_rate(now), now)
+        m.degradation_level.set(level)
+        return level
 
     def _degrade_queued(self, items: list[QueuedItem]) -> tuple[list[QueuedItem], list[Outcome]]:
         """Apply the current degradation level to popped items (they may have queued at a lower one).
 
         Returns the items still to run and the template answers (with their followers) to send.
         """
-        s = self.rt.settings
-        level = self.controller.level if s.degrade_enabled else 0
-        if level == 0:
+        if not self.rt.settings.degrade_enabled or self.controller.level == 0:
             return items, []
         keep: list[QueuedItem] = []
         done: list[Outcome] = []
         for q in items:
             it: Pending = q.payload
-            req = it.work.request
-            p = plan(
-                level,
-                it.work.priority,
-                it.work.tier,
-                req.max_tokens,
-                req.logprobs,
-                max_tokens_cap=s.degrade_max_tokens_cap,
-            )
-            if p.level_applied <= it.level:
+            before = it.level
+            p = self._plan(it)
+            if p.level_applied <= before:
                 keep.append(q)
                 continue
-            it.level = p.level_applied
             if p.use_template and self.template_model is not None:
                 out = self._template(it)
                 done.append(Outcome(it, out, "template"))
-                for f, _ in self.merges.close(it.req_id):
+                for f, _ in self.merges.close(it.lead_id):
                     f.level = p.level_applied
                     done.append(Outcome(f, out, "template"))
                 continue
-            it.inp = replace(it.inp, max_tokens=p.max_tokens, logprobs=p.logprobs)
-            # a degraded answer is cached under the parameters it was made with, not the asked ones
-            it.scope = scope_key(
-                req.tenant, req.model or self.model.name, p.max_tokens, req.temperature, p.logprobs
-            )
-            if it.cache_key is not None:
-                it.cache_key = exact_key(normalize(it.inp.text), it.scope)
             keep.append(q)
         return keep, done
 
-    async def _run(self, items: list[QueuedItem], limit: int) -> None:
+    async def _run(self, items: list[QueuedItem]) -> None:
         loop = asyncio.get_running_loop()
         items, templated = self._degrade_queued(items)
         if templated:
@@ -359,8 +479,9 @@ class Inference:
             return
         pend: list[Pending] = [q.payload for q in items]
         now = now_ms()
-        for _ in items:
-            self.misses.record(False, now)
+        for p in pend:
+            if not p.work.client_deadline:
+                self.misses.record(False, now)
         m = self.rt.metrics
         m.batch_size.observe(len(pend))
         calls: list[int] = []
@@ -376,8 +497,7 @@ class Inference:
         done: list[Outcome] = []
         for p, res in zip(pend, results, strict=True):
             done.append(Outcome(p, res, "model") if isinstance(res, ModelOutput) else Outcome.error(p, res))
-            followers = self.merges.close(p.req_id)
-            for f, sim in followers:
+            for f, sim in self.merges.close(p.lead_id):
                 m.merged.inc()
                 done.append(
                     Outcome(f, res, "merged", p.req_id, sim)
@@ -394,13 +514,21 @@ class Inference:
         entry = CachedAnswer(
             answer=res.answer, finish_reason=res.finish_reason, model_version=self.model.version,
             created_ms=now_ms(), scope=p.scope, text=p.inp.text, request_id=p.req_id,
-            vector=p.vector.tolist() if p.vector is not None else None,
+            vector=p.vector.tolist() if p.vector is not None and self._semantic_ok(p) else None,
         )  # fmt: skip
         try:
             with event_context(p.event):
                 self.cache.put(p.cache_key, entry)
         except Exception:
             log.exception("could not store the answer of %s in the cache", p.req_id)
+
+    # ---- stopping --------------------------------------------------------------------------------
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop admitting, then wait until every admitted item is answered and acked (SIGTERM)."""
+        self.stopping = True
+        ok = await self.rt.acker.wait_idle(timeout_s)
+        log.info("inference drained: %s, %d records unacked", ok, self.rt.acker.pending())
+        return ok
 
     # ---- replies ---------------------------------------------------------------------------------
     def _template(self, p: Pending) -> ModelOutput:
@@ -411,7 +539,7 @@ class Inference:
 
 def register(rt: Runtime, inf: Inference) -> None:
     """Declare the four work-topic readers and the background loops on ``rt.app``."""
-    for priority in RANK:
+    for priority in PRIORITIES:
 
         def make(prio: str) -> Any:
             async def reader(stream: faust.StreamT) -> None:
@@ -422,7 +550,8 @@ def register(rt: Runtime, inf: Inference) -> None:
                     except Exception as exc:
                         log.exception("inference admit failed")
                         fut = await rt.deadletter(event, "internal", f"internal error: {exc!r}")
-                        inf.replies.ack_later(s, [event], [fut])
+                        ticket = rt.acker.ticket_of(event) or rt.acker.track(s, event)
+                        rt.acker.ack_after([ticket], [fut])
 
             reader.__name__ = f"inference_{prio}"
             return reader
@@ -440,3 +569,7 @@ def register(rt: Runtime, inf: Inference) -> None:
     @rt.app.task
     async def batch_loop() -> None:
         await inf.batch_loop()
+
+    @rt.app.task
+    async def pressure_loop() -> None:
+        await inf.pressure_loop()

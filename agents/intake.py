@@ -1,21 +1,24 @@
 """The intake agent: decode, validate, rate-limit, answer exact repeats, forward by class.
 
-Reads ``surge.requests``; for each record exactly one of: an error reply (+ a dead letter for
-bad input), a cached reply, or a WorkItem on ``surge.work.<priority>``. The record's offset is
-acked only after what it produced has been acknowledged by the broker.
+Reads ``surge.requests``; for each record exactly one of: an error reply (+ a dead letter for bad
+input), the reply recorded for it before (a redelivery), a cached reply, or a WorkItem on
+``surge.work.<priority>``. The record's offset is acked, in offset order, only after what it
+produced has been acknowledged by the broker (docs/architecture.md, "The path of a request").
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable
+from typing import Any
 
 import faust
 from faust.types import EventT
 
-from agents.runtime import Runtime, ack_after
+from agents.runtime import Runtime
 from pipeline.cache import AnswerCache
-from pipeline.dedup import exact_key, normalize, scope_key
-from pipeline.exceptions import InvalidRequestError, RateLimitedError
+from pipeline.exceptions import DeadlineExceededError, InvalidRequestError, RateLimitedError
+from pipeline.keys import cache_key, request_scope
 from pipeline.ratelimit import RateLimitConfig, RateLimiter, TierLimits
 from pipeline.records import (
     InferenceReply,
@@ -32,6 +35,10 @@ from pipeline.settings import Settings
 
 log = logging.getLogger("surge.intake")
 
+#: a request dated more than this before its record reached the broker counts as "client-dated":
+#: its deadline misses are left out of the degradation controller's miss rate
+CLIENT_CLOCK_SLACK_MS = 1000
+
 
 def rate_limit_config(s: Settings) -> RateLimitConfig:
     return RateLimitConfig(
@@ -44,94 +51,136 @@ def rate_limit_config(s: Settings) -> RateLimitConfig:
     )
 
 
-def _int_or_none(value: float | None) -> int | None:
-    return None if value is None else int(value)
-
-
-def request_scope(req: InferenceRequest, model_name: str) -> str:
-    return scope_key(req.tenant, req.model or model_name, req.max_tokens, req.temperature, req.logprobs)
+def scope_of(
+    req: InferenceRequest,
+    model: str,
+    version: str,
+    max_tokens: int | None = None,
+    logprobs: bool | None = None,
+) -> str:
+    """The cache and merge scope of a request (intake and inference both call this)."""
+    return request_scope(
+        tenant=req.tenant,
+        model=model,
+        model_version=version,
+        max_tokens=req.max_tokens if max_tokens is None else max_tokens,
+        temperature=req.temperature,
+        logprobs=req.logprobs if logprobs is None else logprobs,
+        context=req.context(),
+    )
 
 
 class Intake:
     """State of the intake agent in one worker."""
 
-    def __init__(self, rt: Runtime, ratelimit_table: faust.Table, cache: AnswerCache | None) -> None:
+    def __init__(
+        self, rt: Runtime, ratelimit_table: faust.Table, cache: AnswerCache | None, model_version: str
+    ) -> None:
         self.rt = rt
         self.limiter = RateLimiter(
             rate_limit_config(rt.settings), ratelimit_table, tenant_shards=rt.settings.partitions
         )
         self.cache = cache
-        self.model_name = rt.settings.model
+        self.model_version = model_version
 
     async def handle(self, stream: faust.StreamT, event: EventT) -> None:
-        """Process one record; schedules its ack once its outputs are on the broker."""
+        """Process one record; its ack follows once its outputs are on the broker."""
         rt, s, msg = self.rt, self.rt.settings, event.message
-        futures = []
+        ticket = rt.acker.track(stream, event)
+        futures: list[Awaitable[Any]] = []
         try:
             req = decode_request(
                 msg.value, msg.key, max_record_bytes=s.max_record_bytes, max_content_bytes=s.max_content_bytes
             )
+            if req.model is not None and req.model not in s.accepted_models():
+                raise InvalidRequestError(
+                    f"unknown model {req.model[:80]!r}; this deployment serves "
+                    f"{', '.join(sorted(s.accepted_models()))}"
+                )
+            reply_to = rt.reply_policy.resolve(req.reply_to)
         except InvalidRequestError as exc:
             ids = salvage_ids(msg.value)
             if ids is not None:
                 rid, uid, reply_to = ids
                 futures.append(
                     await rt.error_reply(
-                        request_id=rid, user_id=uid, reply_to=reply_to, code=exc.code, message=exc.message
-                    )
-                )
-            futures.append(await rt.deadletter(event, "invalid_request", exc.message))
-            self._ack_later(stream, event, futures)
-            return
-        created = req.created_at if req.created_at is not None else int(msg.timestamp * 1000)
-        reply_to = req.reply_to or rt.topics.replies
-        if s.rate_limit_enabled:
-            try:
-                self.limiter.check(req.user_id, req.tier, req.tenant, now_ms(), shard=msg.partition)
-            except RateLimitedError as exc:
-                rt.metrics.rate_limited.labels(scope=exc.scope).inc()
-                futures.append(
-                    await rt.error_reply(
-                        request_id=req.request_id, user_id=req.user_id, reply_to=reply_to, code=exc.code,
-                        message=exc.message, retry_after_ms=exc.retry_after_ms, priority=req.priority,
-                        created_at_ms=created,
+                        request_id=rid, user_id=uid, reply_to=rt.reply_policy.safe(reply_to),
+                        code=exc.code, message=exc.message, record=False,
                     )
                 )  # fmt: skip
-                self._ack_later(stream, event, futures)
-                return
+            futures.append(await rt.deadletter(event, "invalid_request", exc.message))
+            rt.acker.ack_after([ticket], futures)
+            return
+        recorded = rt.recorded(req.tenant, req.user_id, req.request_id)
+        if recorded is not None:
+            futures.append(await rt.resend(recorded, reply_to, req.user_id))
+            rt.acker.ack_after([ticket], futures)
+            return
+        futures.append(await self._decide(req, reply_to, event))
+        rt.acker.ack_after([ticket], futures)
+
+    async def _decide(self, req: InferenceRequest, reply_to: str, event: EventT) -> Awaitable[Any]:
+        """Refuse, answer from the cache, or forward one valid request."""
+        rt, s = self.rt, self.rt.settings
+        record_ms = int(event.message.timestamp * 1000)
+        created = req.created_at if req.created_at is not None else record_ms
+        now = now_ms()
+        class_ms = s.deadline_ms(req.priority)
+        deadline = absolute_deadline_ms(created, class_ms, req.deadline_ms)
+
+        async def refuse(code: str, message: str, retry_after_ms: int | None = None) -> Awaitable[Any]:
+            return await rt.error_reply(
+                request_id=req.request_id, user_id=req.user_id, reply_to=reply_to, code=code,
+                message=message, retry_after_ms=retry_after_ms, priority=req.priority,
+                created_at_ms=created, tenant=req.tenant, event=event,
+            )  # fmt: skip
+
+        if deadline is not None and now >= deadline:
+            rt.metrics.deadline_missed.labels(priority=req.priority).inc()
+            err = DeadlineExceededError(int(deadline - created), int(now - deadline), req.priority)
+            return await refuse(err.code, err.message)
+        if s.rate_limit_enabled:
+            # charged at the request's own time (never later than now): a backlog that waited in
+            # Kafka through a stall or a restart is not a burst
+            try:
+                self.limiter.check(
+                    req.user_id, req.tier, req.tenant, min(created, now), shard=event.message.partition
+                )
+            except RateLimitedError as exc:
+                rt.metrics.rate_limited.labels(scope=exc.scope).inc()
+                return await refuse(exc.code, exc.message, exc.retry_after_ms)
         key = None
         if req.cache and self.cache is not None:
-            key = exact_key(normalize(req.text()), request_scope(req, self.model_name))
+            key = cache_key(req.text(), scope_of(req, s.served_model, self.model_version))
             hit = self.cache.get_exact(key)
             rt.metrics.cache_lookups.labels(layer="exact", result="hit" if hit else "miss").inc()
             if hit is not None:
                 reply = InferenceReply(
                     request_id=req.request_id, user_id=req.user_id, status="ok", answer=hit.answer,
                     finish_reason=hit.finish_reason, served_from="cache", model_version=hit.model_version,  # type: ignore[arg-type]
-                    priority=req.priority, timings=Timings(total_ms=max(0, now_ms() - created)),
+                    priority=req.priority, timings=Timings(total_ms=max(0, now - created)),
                 )  # fmt: skip
-                futures.append(await rt.reply(reply, reply_to, created))
-                self._ack_later(stream, event, futures)
-                return
+                return await rt.publish(
+                    reply, tenant=req.tenant, reply_to=reply_to, created_at_ms=created, event=event
+                )
+        client_dated = (req.deadline_ms is not None and (class_ms is None or req.deadline_ms < class_ms)) or (
+            created < record_ms - CLIENT_CLOCK_SLACK_MS
+        )
         item = WorkItem(
             request=req, priority=req.priority, tier=req.tier, reply_to=reply_to, created_at_ms=created,
-            arrival_ms=now_ms(), deadline_at_ms=_int_or_none(absolute_deadline_ms(created, s.deadline_ms(req.priority), req.deadline_ms)),
-            cache_key=key,
+            arrival_ms=now, deadline_at_ms=None if deadline is None else int(deadline), cache_key=key,
+            client_deadline=client_dated,
         )  # fmt: skip
-        futures.append(await rt.send(rt.topics.work(req.priority), req.user_id, encode(item)))
-        self._ack_later(stream, event, futures)
-
-    def _ack_later(self, stream: faust.StreamT, event: EventT, futures: list) -> None:
-        self.rt.app.loop.create_task(ack_after(stream, [event], futures))
+        return await rt.send(rt.topics.work(req.priority), req.user_id, encode(item))
 
 
-def register(rt: Runtime, cache: AnswerCache | None) -> Intake:
+def register(rt: Runtime, cache: AnswerCache | None, model_version: str) -> Intake:
     """Declare the rate-limit table and the intake agent on ``rt.app``."""
     table = rt.app.Table(
         "ratelimit", default=None, partitions=rt.settings.partitions,
         schema=faust.Schema(key_serializer="json", value_serializer="json"),
     )  # fmt: skip
-    intake = Intake(rt, table, cache)
+    intake = Intake(rt, table, cache, model_version)
 
     @rt.app.agent(rt.topic(rt.topics.requests), name="surge.intake")
     async def intake_agent(stream: faust.StreamT) -> None:
@@ -140,8 +189,27 @@ def register(rt: Runtime, cache: AnswerCache | None) -> Intake:
             try:
                 await intake.handle(s, event)
             except Exception as exc:
+                # handle() tracked the record; an unexpected failure still answers and dead-letters
                 log.exception("intake failed on %s", event.message.tp)
-                fut = await rt.deadletter(event, "internal", f"internal error: {exc!r}")
-                intake._ack_later(s, event, [fut])
+                await intake_failed(rt, s, event, exc)
 
     return intake
+
+
+async def intake_failed(rt: Runtime, stream: faust.StreamT, event: EventT, exc: Exception) -> None:
+    """An internal error: an error reply where the ids can be read, a dead letter, then the ack."""
+    futures: list[Awaitable[Any]] = []
+    ids = salvage_ids(event.message.value if isinstance(event.message.value, bytes) else None)
+    if ids is not None:
+        rid, uid, reply_to = ids
+        futures.append(
+            await rt.error_reply(
+                request_id=rid, user_id=uid, reply_to=rt.reply_policy.safe(reply_to), code="internal",
+                message=f"internal error: {type(exc).__name__}", record=False,
+            )
+        )  # fmt: skip
+    futures.append(await rt.deadletter(event, "internal", f"internal error: {exc!r}"))
+    ticket = rt.acker.ticket_of(event)
+    if ticket is None:
+        ticket = rt.acker.track(stream, event)
+    rt.acker.ack_after([ticket], futures)

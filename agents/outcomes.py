@@ -2,20 +2,22 @@
 
 A :class:`Pending` is one request from admission to reply; an :class:`Outcome` is what it got (an
 answer or an error, and where the answer came from); :class:`ReplyWriter` turns outcomes into
-replies, in order, and acks each source record once its reply is on the broker.
+replies, in order (each recorded in the reply book first), and acks each source record, in offset
+order, once its reply is on the broker (docs/architecture.md, "Guarantees").
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import faust
 import numpy as np
 from faust.types import EventT
 
-from agents.runtime import Runtime, ack_after
+from agents.acks import Ticket
+from agents.runtime import Runtime
 from models.base import ModelBackend, ModelInput, ModelOutput
 from pipeline.exceptions import SurgeError
 from pipeline.records import InferenceReply, Timings, WorkItem, now_ms
@@ -32,13 +34,23 @@ class Pending:
     work: WorkItem
     scope: str
     inp: ModelInput
+    ticket: Ticket
+    #: the merge-leader id: where the record was read from, never chosen by a client
+    lead_id: str
     level: int = 0
     vector: np.ndarray | None = None
     cache_key: str | None = None
+    #: copies of this very request read again (a redelivery) while it was still in flight: each
+    #: gets the same recorded reply
+    twins: list[Pending] = field(default_factory=list)
 
     @property
     def req_id(self) -> str:
         return self.work.request.request_id
+
+    @property
+    def tenant(self) -> str:
+        return self.work.request.tenant
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,22 +75,26 @@ class ReplyWriter:
     def __init__(self, rt: Runtime, model: ModelBackend) -> None:
         self.rt = rt
         self.model = model  # its version is known only after load()
+        #: told of each request answered (the inference agent forgets it as in flight)
+        self.on_answered: Callable[[Pending], None] | None = None
 
     async def send(
         self, outcomes: Sequence[Outcome], *, batch_size: int = 0, inference_ms: float | None = None
     ) -> None:
-        """One reply per outcome, enqueued in order; each record is acked once its reply is acked."""
-        by_stream: dict[int, tuple[faust.StreamT, list[EventT], list[Awaitable[Any]]]] = {}
+        """One reply per outcome (and per twin), enqueued in order; the records are acked once
+        their replies are on the broker. Called by every path that answers a request."""
+        tickets: list[Ticket] = []
+        futs: list[Awaitable[Any]] = []
         for o in outcomes:
-            fut = await self._reply(o, batch_size, inference_ms)
-            slot = by_stream.setdefault(id(o.pending.stream), (o.pending.stream, [], []))
-            slot[1].append(o.pending.event)
-            slot[2].append(fut)
-        for stream, events, futs in by_stream.values():
-            self.ack_later(stream, events, futs)
-
-    def ack_later(self, stream: faust.StreamT, events: list[EventT], futs: list[Awaitable[Any]]) -> None:
-        self.rt.app.loop.create_task(ack_after(stream, events, futs))
+            futs.append(await self._reply(o, batch_size, inference_ms))
+            tickets.append(o.pending.ticket)
+            for twin in o.pending.twins:
+                futs.append(await self._reply(Outcome(twin, o.result, o.source, o.merged_into,
+                                                      o.similarity, o.model_version), batch_size, inference_ms))  # fmt: skip
+                tickets.append(twin.ticket)
+            if self.on_answered is not None:
+                self.on_answered(o.pending)
+        self.rt.acker.ack_after(tickets, futs)
 
     async def _reply(self, o: Outcome, batch_size: int, inference_ms: float | None) -> Awaitable[Any]:
         p = o.pending
@@ -98,9 +114,12 @@ class ReplyWriter:
                 degradation_level=p.level, model_version=o.model_version or self.model.version,
                 priority=w.priority, timings=timings,
             )  # fmt: skip
-            return await self.rt.reply(reply, w.reply_to, w.created_at_ms)
+            return await self.rt.publish(
+                reply, tenant=req.tenant, reply_to=w.reply_to, created_at_ms=w.created_at_ms, event=p.event
+            )
         return await self.rt.error_reply(
             request_id=req.request_id, user_id=req.user_id, reply_to=w.reply_to, code=res.code,
             message=res.message, priority=w.priority, retry_after_ms=res.retry_after_ms,
             created_at_ms=w.created_at_ms, degradation_level=p.level, timings=timings,
+            tenant=req.tenant, event=p.event,
         )  # fmt: skip

@@ -1,8 +1,10 @@
 """What every agent shares in one worker process: settings, topics, metrics, and the send helpers.
 
 Agents stay thin: they read records, call the pure logic in ``pipeline/``, and send through the
-helpers here, which return the broker's acknowledgement futures so that an offset is acked only
-after its reply (or forwarded work item) is safely on the broker.
+helpers here, which return the broker's acknowledgement (retried a few times) so that an offset is
+acked only after its reply (or forwarded work item) is safely on the broker. Every reply goes
+through :meth:`Runtime.publish`, which records it in the reply book first, so a request read again
+after a crash gets the same reply (docs/architecture.md, "Guarantees").
 """
 
 from __future__ import annotations
@@ -19,10 +21,17 @@ import faust
 from faust.streams import _current_event
 from faust.types import EventT
 
+from agents.acks import Acker
+from pipeline.keys import reply_key
 from pipeline.metrics import Metrics
 from pipeline.records import DeadLetter, ErrorInfo, InferenceReply, Timings, encode, now_ms
+from pipeline.replybook import ReplyBook
+from pipeline.replyto import ReplyToPolicy
 from pipeline.settings import Settings
 from pipeline.topics import TopicNames
+
+#: how often a failed send is tried again before the worker gives up (and stops, see Acker)
+SEND_ATTEMPTS = 4
 
 log = logging.getLogger("surge.agents")
 
@@ -35,10 +44,20 @@ class Runtime:
     topics: TopicNames = field(init=False)
     #: the inference agent's state, when this worker runs it (its readiness gates "worker ready")
     inference: Any = None
+    #: readiness and drains (agents.lifecycle.Lifecycle), set by the worker
+    lifecycle: Any = None
+    #: recorded replies (a GlobalTable); None only in tools that send no replies
+    book: ReplyBook | None = None
+    acker: Acker = field(init=False)
+    reply_policy: ReplyToPolicy = field(init=False)
     _topics: dict[str, faust.TopicT] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.topics = TopicNames(self.settings.topic_prefix)
+        self.acker = Acker(self.app)
+        self.reply_policy = ReplyToPolicy(
+            self.topics, self.settings.app_id, self.settings.reply_topic_pattern
+        )
 
     def topic(self, name: str) -> faust.TopicT:
         """A raw-bytes topic handle, created once per name."""
@@ -51,14 +70,32 @@ class Runtime:
         return t
 
     async def send(self, topic: str, key: str | bytes | None, value: bytes) -> Awaitable[Any]:
-        """Enqueue one record; returns the future that resolves when the broker has acked it."""
+        """Enqueue one record; returns an awaitable that resolves when the broker has acked it,
+        sending again (up to ``SEND_ATTEMPTS`` times, with backoff) when the broker refused it."""
         k = key.encode() if isinstance(key, str) else key
-        return await self.topic(topic).send(key=k, value=value)
+        fut = await self.topic(topic).send(key=k, value=value)
+        return _Delivery(self, topic, k, value, fut)
 
-    async def reply(
-        self, reply: InferenceReply, reply_to: str | None, created_at_ms: int | None
+    async def publish(
+        self,
+        reply: InferenceReply,
+        *,
+        tenant: str,
+        reply_to: str | None,
+        created_at_ms: int | None,
+        event: EventT | None,
+        record: bool = True,
     ) -> Awaitable[Any]:
-        """Send one reply and count it in the metrics."""
+        """Record ``reply`` in the reply book (first reply wins), send what was recorded, count it.
+
+        ``record=False`` for replies to records that never became a request (invalid input): those
+        are the same on every read anyway.
+        """
+        data = encode(reply)
+        if record and self.book is not None:
+            key = reply_key(tenant, reply.user_id, reply.request_id)
+            with event_context(event):
+                data = self.book.record(key, data)
         priority = reply.priority or "interactive"
         served = reply.served_from or "none"
         self.metrics.requests.labels(priority=priority, status=reply.status, served_from=served).inc()
@@ -66,7 +103,18 @@ class Runtime:
             self.metrics.request_latency.labels(priority=priority).observe(
                 max(0, now_ms() - created_at_ms) / 1000
             )
-        return await self.send(reply_to or self.topics.replies, reply.user_id, encode(reply))
+        return await self.send(reply_to or self.topics.replies, reply.user_id, data)
+
+    def recorded(self, tenant: str, user_id: str, request_id: str) -> bytes | None:
+        """The reply already recorded for a request (it was answered before a crash), or None."""
+        if self.book is None:
+            return None
+        return self.book.get(reply_key(tenant, user_id, request_id))
+
+    async def resend(self, data: bytes, reply_to: str | None, user_id: str) -> Awaitable[Any]:
+        """Send a recorded reply again, byte for byte."""
+        self.metrics.replies_repeated.inc()
+        return await self.send(reply_to or self.topics.replies, user_id, data)
 
     async def error_reply(
         self,
@@ -81,7 +129,11 @@ class Runtime:
         created_at_ms: int | None = None,
         degradation_level: int = 0,
         timings: Timings | None = None,
+        tenant: str = "default",
+        event: EventT | None = None,
+        record: bool = True,
     ) -> Awaitable[Any]:
+        """Publish an error reply (see :meth:`publish`)."""
         reply = InferenceReply(
             request_id=request_id,
             user_id=user_id,
@@ -91,7 +143,9 @@ class Runtime:
             degradation_level=degradation_level,
             timings=timings or Timings(),
         )
-        return await self.reply(reply, reply_to, created_at_ms)
+        return await self.publish(
+            reply, tenant=tenant, reply_to=reply_to, created_at_ms=created_at_ms, event=event, record=record
+        )
 
     async def deadletter(self, event: EventT, reason: str, message: str) -> Awaitable[Any]:
         """Write the raw record with the reason to the dead-letter topic."""
@@ -130,13 +184,42 @@ async def ack_after(
         await stream.ack(event)
 
 
+class _Delivery:
+    """The broker's acknowledgement of one record, re-sent on failure (awaitable, no task)."""
+
+    __slots__ = ("fut", "key", "rt", "topic", "value")
+
+    def __init__(self, rt: Runtime, topic: str, key: bytes | None, value: bytes, fut: Awaitable[Any]) -> None:
+        self.rt, self.topic, self.key, self.value, self.fut = rt, topic, key, value, fut
+
+    def __await__(self) -> Any:
+        return self._wait().__await__()
+
+    async def _wait(self) -> Any:
+        for attempt in range(1, SEND_ATTEMPTS + 1):
+            try:
+                return await self.fut
+            except Exception as exc:
+                if attempt == SEND_ATTEMPTS:
+                    raise
+                log.warning(
+                    "send to %s failed (%r), attempt %d of %d", self.topic, exc, attempt, SEND_ATTEMPTS
+                )
+                await asyncio.sleep(0.2 * 2**attempt)
+                self.fut = await self.rt.topic(self.topic).send(key=self.key, value=self.value)
+        raise AssertionError("unreachable")
+
+
 @contextlib.contextmanager
-def event_context(event: EventT) -> Iterator[None]:
+def event_context(event: EventT | None) -> Iterator[None]:
     """Make ``event`` Faust's current event while writing a table outside the stream's iteration.
 
     Faust's RocksDB store picks the local partition database from the current event; the inference
     loop writes the answer cache after a model call, when no stream iteration is under way.
     """
+    if event is None:
+        yield
+        return
     token = _current_event.set(weakref.ref(event))
     try:
         yield

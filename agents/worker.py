@@ -5,17 +5,21 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from typing import Any
 
 import faust
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from agents import inference as inference_agent
 from agents import intake as intake_agent
+from agents.lifecycle import Lifecycle
 from agents.runtime import Runtime
+from pipeline.admin import changelog_config
 from pipeline.app import create_app
 from pipeline.cache import AnswerCache
 from pipeline.metrics import GpuSampler, create_metrics
 from pipeline.records import now_ms
+from pipeline.replybook import ReplyBook
 from pipeline.settings import Settings
 
 log = logging.getLogger("surge.worker")
@@ -36,14 +40,21 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
         if settings.cache_enabled
         else None
     )
+    replybook = app.GlobalTable(
+        "replybook", default=None, partitions=settings.partitions, use_partitioner=True,
+        schema=faust.Schema(key_serializer="json", value_serializer="json"),
+        extra_topic_configs=changelog_config(settings, f"{settings.app_id}-replybook-changelog"),
+    )  # fmt: skip
+    rt.book = ReplyBook(replybook, ttl_ms=settings.reply_record_ttl_s * 1000, clock_ms=now_ms)
+    from models.registry import build_model
+
+    model = build_model(settings)
     if settings.role in ("intake", "all"):
-        intake_agent.register(rt, cache)
+        intake_agent.register(rt, cache, model.peek_version())
     if settings.role in ("inference", "all"):
         from models.embedder import shared_embedder
-        from models.registry import build_model
         from models.template import build_template
 
-        model = build_model(settings)
         template = build_template(settings, model)
         embedder = (
             shared_embedder(settings.embedder_path)
@@ -59,6 +70,21 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
             @app.timer(5.0)
             async def sync_cache() -> None:
                 cache.sync()
+
+    life = rt.lifecycle = Lifecycle(app, rt)
+
+    @app.on_partitions_revoked.connect
+    async def drain_on_revoke(app: faust.App, revoked: set[Any], **_: Any) -> None:
+        await life.on_revoked(revoked)
+
+    @app.task
+    async def announce_ready() -> None:
+        await life.watch_ready()
+
+    @app.page("/readyz")
+    async def readyz(web: faust.web.Web, request: faust.web.Request) -> faust.web.Response:
+        ready = life.ready.is_set()
+        return web.json({"ready": ready, "serving": life.can_serve()}, status=200 if ready else 503)
 
     gpu = GpuSampler(rt.metrics)
     content_type = CONTENT_TYPE_LATEST.split(";")[0]

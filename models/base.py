@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,9 @@ class ModelInput:
     max_tokens: int = 256
     temperature: float = 0.0
     logprobs: bool = False
+    #: the embedding of :attr:`text`, when the pipeline computed one (see
+    #: :meth:`ModelBackend.accepts_vectors_from`); not part of equality
+    vector: Any = field(default=None, compare=False, repr=False)
 
     @property
     def text(self) -> str:
@@ -70,6 +74,20 @@ class ModelBackend(abc.ABC):
     def template_answer(self, inp: ModelInput) -> ModelOutput | None:
         """A canned answer for degradation level 3, or ``None``."""
         return None
+
+    def peek_version(self) -> str:
+        """The version :meth:`load` will stamp, computed without loading (cheap: file hashes).
+
+        Called by the intake agent, which keys its exact cache by model version but never loads the
+        model, so a model fix is never answered from a cache filled by the old version.
+        """
+        return self.version
+
+    def accepts_vectors_from(self, embedder: object) -> bool:
+        """Whether :attr:`ModelInput.vector` made by ``embedder`` may stand in for this model's own
+        embedding of the input's text (the FAQ answerer, with the same embedder): each request is
+        then embedded once, by the inference agent's embedding stage."""
+        return False
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources. Called once at worker shutdown."""

@@ -342,18 +342,23 @@ class FAQAnswerer(ModelBackend):
         assert self._model is not None
         return self._model
 
-    def probabilities(self, texts: Sequence[str]) -> np.ndarray:
-        """(n, n_intents) probabilities; called by ``classify`` and by evaluation code."""
+    def probabilities(self, texts: Sequence[str], vectors: np.ndarray | None = None) -> np.ndarray:
+        """(n, n_intents) probabilities; called by ``classify`` and by evaluation code. ``vectors``:
+        the texts' embeddings when the caller has them (they are then not computed again)."""
         model = self._loaded()
         assert self._embedder is not None
         if not texts:
             return np.zeros((0, len(model.labels)), dtype=np.float32)
-        return model.probabilities(texts, self._embedder.embed(texts))
+        if vectors is None:
+            vectors = self._embedder.embed(texts)
+        return model.probabilities(texts, vectors)
 
-    def classify(self, texts: Sequence[str]) -> list[tuple[str | None, float]]:
+    def classify(
+        self, texts: Sequence[str], vectors: np.ndarray | None = None
+    ) -> list[tuple[str | None, float]]:
         """The most likely intent of each text and its probability; ``None`` below the floor."""
         model = self._loaded()
-        probs = self.probabilities(texts)
+        probs = self.probabilities(texts, vectors)
         out: list[tuple[str | None, float]] = []
         for row in probs:
             best = int(row.argmax())
@@ -373,7 +378,9 @@ class FAQAnswerer(ModelBackend):
     def infer(self, batch: Sequence[ModelInput]) -> list[ModelOutput]:
         """Answer a micro-batch (called in a worker thread): one embedding call for the whole batch."""
         try:
-            results = self.classify([inp.text for inp in batch])
+            given = [inp.vector for inp in batch]
+            vectors = np.stack(given).astype(np.float32) if all(v is not None for v in given) else None
+            results = self.classify([inp.text for inp in batch], vectors)
         except ModelError:
             raise
         except Exception as exc:
@@ -382,6 +389,15 @@ class FAQAnswerer(ModelBackend):
             self._output(intent, conf, inp, "stop")
             for (intent, conf), inp in zip(results, batch, strict=True)
         ]
+
+    def peek_version(self) -> str:
+        """The weights' version, from the files alone (no load)."""
+        return weights_version(self.data_dir)
+
+    def accepts_vectors_from(self, embedder: object) -> bool:
+        """Vectors of the embedder this answerer classifies with stand in for its own embedding."""
+        self._loaded()
+        return embedder is self._embedder
 
     def template_answer(self, inp: ModelInput) -> ModelOutput:
         """The same canned answer, marked ``finish_reason="template"``; called under degradation level 3."""

@@ -46,8 +46,20 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def _config_sha8(folder: Path) -> str:
-    """First 8 hex digits of the sha256 of the folder's ``config.json``."""
-    return hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()[:8]
+    """First 8 hex digits of a sha256 over ``config.json`` and each weights file's name, size and
+    first and last MiB: new weights under an unchanged config are a new version (cheap to compute
+    without loading; the intake's cache scope depends on it)."""
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for f in sorted(folder.glob("*")):
+        if f.suffix in (".safetensors", ".bin", ".pt", ".gguf") and f.is_file():
+            size = f.stat().st_size
+            digest.update(f"{f.name}:{size}".encode())
+            with open(f, "rb") as fh:
+                digest.update(fh.read(1 << 20))
+                if size > 2 << 20:
+                    fh.seek(-(1 << 20), 2)
+                    digest.update(fh.read(1 << 20))
+    return digest.hexdigest()[:8]
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -222,6 +234,10 @@ class HFCausalLM(ModelBackend):
         self._model = model
         self.version = f"{self.name}@{_config_sha8(self.path)}"
         self.load_seconds = time.perf_counter() - started
+
+    def peek_version(self) -> str:
+        """``name@sha8`` as :meth:`load` will set it, from the files alone."""
+        return f"{self.name}@{_config_sha8(self.path)}"
 
     def close(self) -> None:
         """Drop the weights. Called once at worker shutdown."""

@@ -20,11 +20,22 @@ log = logging.getLogger("surge.admin")
 
 #: Faust tables of a worker; their changelog topics are created up front (compacted) so that the
 #: first table write never races the topic's creation (Faust's PartitionsMismatch)
-TABLES = ("ratelimit", "answers")
+TABLES = ("ratelimit", "answers", "replybook")
 
 
 def changelog_topics(settings: Settings) -> list[str]:
     return [f"{settings.app_id}-{table}-changelog" for table in TABLES]
+
+
+def changelog_config(settings: Settings, topic: str) -> dict[str, str]:
+    """Topic configs of a table's changelog: compacted; the reply book's also expires its records
+    (twice the reply TTL), so a fresh worker's recovery reads a bounded history."""
+    if topic.endswith("-replybook-changelog"):
+        return {
+            "cleanup.policy": "compact,delete",
+            "retention.ms": str(int(2 * settings.reply_record_ttl_s * 1000)),
+        }
+    return {"cleanup.policy": "compact"}
 
 
 async def ensure_topics(settings: Settings, extra: Iterable[str] = (), timeout_s: float = 30.0) -> list[str]:
@@ -52,7 +63,7 @@ async def ensure_topics(settings: Settings, extra: Iterable[str] = (), timeout_s
                             n,
                             settings.partitions,
                             settings.replication_factor,
-                            topic_configs={"cleanup.policy": "compact"} if n in compacted else {},
+                            topic_configs=changelog_config(settings, n) if n in compacted else {},
                         )
                         for n in todo
                     ]

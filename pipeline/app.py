@@ -73,12 +73,23 @@ def create_app(settings: Settings) -> faust.App:
         producer_acks=-1,
         producer_linger_ms=2,
         producer_max_request_size=4 * settings.max_record_bytes,
-        table_standby_replicas=0,
+        # a second worker keeps a standby copy of each table partition, so a takeover does not
+        # replay a whole changelog
+        table_standby_replicas=1 if settings.standby_replicas else 0,
+        # static membership: a restarted worker gets its partitions back without a rebalance
+        consumer_group_instance_id=settings.static_instance_id,
+        # Faust puts its URL into the group's assignment and checks it when a static member gets its
+        # cached assignment back: keep it stable across restarts (surge routes nothing by it)
+        **({"canonical_url": f"http://{settings.static_instance_id}.worker"} if settings.static_instance_id else {}),
+        # on a rebalance surge drains its own in-flight work (bounded, see agents/worker.py) and
+        # never lets Faust wait for every unacked message without a bound
+        stream_wait_empty=False,
         topic_allow_declare=True,
         key_serializer="raw",
         value_serializer="raw",
         stream_buffer_maxsize=settings.stream_buffer_max_records,
         broker_session_timeout=settings.session_timeout_s,
+        broker_rebalance_timeout=max(settings.session_timeout_s, 2 * settings.drain_timeout_s),
         broker_heartbeat_interval=min(3.0, settings.session_timeout_s / 4),
         consumer_max_fetch_size=4 * 1024 * 1024,
         **WEB_VIEWS_OFF,

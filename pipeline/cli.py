@@ -51,8 +51,6 @@ def cmd_kafka(args: argparse.Namespace) -> int:
 
 # ---- worker -------------------------------------------------------------------------------------
 def cmd_worker(args: argparse.Namespace) -> int:
-    import faust
-
     from agents.worker import build_worker_app
     from pipeline.admin import ensure_topics
 
@@ -61,19 +59,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     asyncio.run(ensure_topics(s))
     app, rt = build_worker_app(s)
 
-    @app.task
-    async def announce_ready() -> None:
-        inf = rt.inference
-        if inf is not None:
-            await inf.ready.wait()
-        while not app.consumer.assignment():  # noqa: ASYNC110 - Faust offers no assignment event here
-            await asyncio.sleep(0.2)
-        print(
-            f"surge worker ready: role {s.role}, {len(app.consumer.assignment())} partitions assigned",
-            flush=True,
-        )
+    if rt.inference is not None:
+        # models loaded and warm before the worker joins the group: it never holds partitions it
+        # cannot serve yet
+        rt.inference.load()
 
-    worker = faust.Worker(app, loglevel="WARNING", quiet=True, redirect_stdouts=False)
+    from agents.lifecycle import SurgeWorker
+
+    worker = SurgeWorker(app, rt.lifecycle, loglevel="WARNING", quiet=True, redirect_stdouts=False)
     worker.execute_from_commandline()
     return 0
 
@@ -229,11 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
     dd.set_defaults(fn=cmd_dedup)
 
     b = sub.add_parser("bench", help="benchmarks against baselines, on the embedded broker")
-    b.add_argument("scenario", choices=["batching", "merging", "priority", "overhead", "gateway"])
+    b.add_argument(
+        "scenario", choices=["batching", "merging", "priority", "overhead", "gateway", "surge", "failover"]
+    )
     b.add_argument("--quick", action="store_true", help="a small run (what the tests use)")
     b.add_argument("--json", default=None)
     b.add_argument("--plot", default=None, help="PNG path (default beside --json or bench-<scenario>.png)")
-    b.add_argument("--data", default=None, help="merging: banking77-style text,category CSV")
+    b.add_argument(
+        "--data", default=None, help="merging, surge, failover: the banking77 train.csv (text,category)"
+    )
     b.set_defaults(fn=cmd_bench)
 
     g = sub.add_parser("gateway", help="OpenAI-compatible HTTP gateway")

@@ -34,6 +34,8 @@ METRIC_NAMES = (
     "surge_degradation_level",
     "surge_rate_limited_total",
     "surge_deadletter_total",
+    "surge_replies_repeated_total",
+    "surge_embed_batch_size",
 )
 
 
@@ -53,6 +55,8 @@ class Metrics:
     degradation_level: Gauge
     rate_limited: Counter
     deadletter: Counter
+    replies_repeated: Counter
+    embed_batch_size: Histogram
     registry: CollectorRegistry
 
 
@@ -92,6 +96,13 @@ def create_metrics(registry: CollectorRegistry | None = None) -> Metrics:
         degradation_level=Gauge("surge_degradation_level", "Current degradation level 0-3", registry=r),
         rate_limited=Counter("surge_rate_limited", "Requests refused by a token bucket", ["scope"], registry=r),
         deadletter=Counter("surge_deadletter", "Dead-letter records written", ["reason"], registry=r),
+        replies_repeated=Counter(
+            "surge_replies_repeated", "Recorded replies sent again for a request read again", registry=r
+        ),
+        embed_batch_size=Histogram(
+            "surge_embed_batch_size", "Questions per embedding call", registry=r,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+        ),
         registry=r,
     )  # fmt: skip
     # children for the fixed label values, so that rates and alerts see zeros instead of nothing
@@ -105,6 +116,17 @@ def create_metrics(registry: CollectorRegistry | None = None) -> Metrics:
         for result in ("hit", "miss"):
             m.cache_lookups.labels(layer=layer, result=result)
     return m
+
+
+def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus exposition text (a worker's /metrics) → ``{(sample name, sorted labels): value}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return out
 
 
 class GpuSampler:

@@ -79,11 +79,21 @@ class InferenceRequest(BaseModel):
         )
 
     def text(self) -> str:
-        """The last user message: what caches and dedup compare."""
+        """The last user message: what caches and dedup compare (within a scope that covers the rest
+        of the conversation, see :meth:`context`)."""
         for m in reversed(self.chat()):
             if m.role == "user":
                 return m.content
         return self.chat()[-1].content
+
+    def context(self) -> list[tuple[str, str]]:
+        """Every message but the last user message, as (role, content): the part of the conversation
+        that cache and merge scopes cover, so a different system prompt or history never shares."""
+        chat = self.chat()
+        for i in range(len(chat) - 1, -1, -1):
+            if chat[i].role == "user":
+                return [(m.role, m.content) for j, m in enumerate(chat) if j != i]
+        return [(m.role, m.content) for m in chat[:-1]]
 
 
 class WorkItem(BaseModel):
@@ -97,8 +107,13 @@ class WorkItem(BaseModel):
     reply_to: str
     created_at_ms: int
     arrival_ms: int
-    deadline_at_ms: int | None
+    #: None for a class without a deadline (offline); ``encode`` drops it, so it must default
+    deadline_at_ms: int | None = None
     cache_key: str | None = None
+    #: the client shortened the class deadline (``deadline_ms``) or dated its request before it
+    #: reached the broker: a miss of such a request says nothing about the pipeline's load, so it is
+    #: left out of the degradation controller's miss rate (docs/architecture.md, "Degradation")
+    client_deadline: bool = False
 
 
 class ErrorInfo(BaseModel):

@@ -60,6 +60,23 @@ class Settings(BaseSettings):
     web_port: int = Field(6066, ge=0, le=65535, description="worker web port serving /metrics")
     role: Literal["intake", "inference", "all"] = Field("all", description="which agents this worker runs")
     worker_id: str = Field("", description="name of this worker in logs; defaults to host:pid")
+    static_membership: bool = Field(
+        True,
+        description="join the group with a stable group.instance.id, so a restarted worker gets its "
+        "partitions back without a rebalance",
+    )
+    group_instance_id: str = Field(
+        "", description="static member id; empty: worker_id, else derived from the host and data_dir"
+    )
+    reply_record_ttl_s: float = Field(
+        3600.0, gt=0, description="how long a request's reply is kept to answer a redelivery identically"
+    )
+    standby_replicas: bool = Field(
+        True, description="keep a standby copy of each table partition on another worker"
+    )
+    drain_timeout_s: float = Field(
+        20.0, gt=0, description="on SIGTERM: longest wait for in-flight work to be answered and committed"
+    )
 
     # --- embedded broker ---------------------------------------------------------------------------
     kafka_version: str = Field("4.1.1", description="Apache Kafka version resolved from Maven Central")
@@ -94,6 +111,15 @@ class Settings(BaseSettings):
     # --- records -------------------------------------------------------------------------------------
     max_record_bytes: int = Field(1 << 20, ge=1024, description="largest accepted request record, bytes")
     max_content_bytes: int = Field(32 << 10, ge=64, description="largest prompt or message content, bytes")
+    reply_topic_pattern: str = Field(
+        "",
+        description="regular expression a request's reply_to must match in full; empty: the replies "
+        "topic and <prefix>replies.<suffix>. Internal, work, changelog and surge's own topics are "
+        "refused whatever it says",
+    )
+    model_aliases: str = Field(
+        "", description="comma list of names a request's model field may use besides the served model's"
+    )
 
     # --- models -------------------------------------------------------------------------------------
     model: Literal["faq", "hf", "remote", "echo"] = Field("faq", description="answer model backend")
@@ -138,6 +164,12 @@ class Settings(BaseSettings):
     )
     max_wait_ms: float = Field(
         scheduler.DEFAULT_MAX_WAIT_MS, ge=0, description="longest a batch window stays open, ms"
+    )
+    embed_max_batch_size: int = Field(
+        64, ge=1, le=1024, description="most questions embedded in one call (calls grow with the backlog)"
+    )
+    embed_queue_limit: int = Field(
+        128, ge=1, description="admitted items waiting to be embedded before readers stop reading"
     )
     queue_policy: Literal["edf", "fifo"] = Field(
         "edf", description="edf: priority + deadlines; fifo: baseline"
@@ -194,6 +226,9 @@ class Settings(BaseSettings):
     )
     degrade_max_tokens_cap: int = Field(
         degrade.DEFAULT_MAX_TOKENS_CAP, ge=1, description="max_tokens cap from level 2"
+    )
+    degrade_tick_ms: float = Field(
+        250.0, gt=0, description="how often the controller reads the pressure, ms (also with no traffic)"
     )
     degrade_template: str = Field(
         "",
@@ -283,6 +318,36 @@ class Settings(BaseSettings):
                 shown = "" if not field or _SECRET_FIELD.search(field) else f" (got {err.get('input')!r:.80})"
                 details.append(f"{field or 'settings'}: {err['msg']}{shown}")
             raise SettingsError(f"invalid settings: {'; '.join(details)}") from None
+
+    @cached_property
+    def served_model(self) -> str:
+        """The name of the served model: what requests and the gateway call it, and part of every
+        cache scope (an ``hf`` model is named by its folder, a ``remote`` one by its remote name)."""
+        if self.model == "hf" and self.model_path:
+            return re.split(r"[\\/]", self.model_path.rstrip("/\\"))[-1] or "hf"
+        if self.model == "remote":
+            return self.remote_model
+        return self.model
+
+    def accepted_models(self) -> frozenset[str]:
+        """Names a request's ``model`` field may carry: the served model and ``model_aliases``."""
+        aliases = {a.strip() for a in self.model_aliases.split(",") if a.strip()}
+        return frozenset({self.served_model, *aliases})
+
+    @cached_property
+    def static_instance_id(self) -> str | None:
+        """The group.instance.id of this worker, or None without static membership."""
+        if not self.static_membership:
+            return None
+        if self.group_instance_id:
+            return self.group_instance_id
+        if self.worker_id:
+            return f"{self.app_id}-{self.worker_id}"
+        import hashlib
+        import socket
+
+        where = f"{socket.gethostname()}:{self.data_dir.absolute()}:{self.role}"
+        return f"{self.app_id}-{hashlib.sha256(where.encode()).hexdigest()[:12]}"
 
     @cached_property
     def bootstrap_servers(self) -> str:

@@ -1,0 +1,99 @@
+"""Every use of a private faust-streaming or aiokafka API, each behind one small function.
+
+surge needs a few things that neither library offers publicly. Reaching into them from here only
+means that an upgrade of either library has one file to check: tests/test_compat.py asserts that
+each private attribute still exists in the installed versions and that each helper still works
+against a real broker, and tests/test_private_api.py fails when a private attribute of those
+libraries is used anywhere else.
+
+Written against faust-streaming 0.15.3 and aiokafka 0.14.0 (:data:`WRITTEN_FOR`); pyproject.toml
+keeps both below their next minor release.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+if TYPE_CHECKING:  # faust is imported where it is used: the gateway and clients never load it
+    from faust.types import EventT, ProducerT
+
+#: the library versions these helpers were written and tested against
+WRITTEN_FOR: dict[str, str] = {"faust-streaming": "0.15.3", "aiokafka": "0.14.0"}
+
+
+def kafka_producer(producer: ProducerT) -> AIOKafkaProducer:
+    """The aiokafka producer under Faust's producer (created on first use; Faust must have started
+    its producer, e.g. ``await app.producer.maybe_start()``).
+
+    Private: ``faust.transport.drivers.aiokafka.Producer._ensure_producer()``.
+    """
+    ensure: Any = producer._ensure_producer  # type: ignore[attr-defined]
+    return ensure()
+
+
+async def producer_partitions_for(producer: ProducerT, topic: str) -> set[int]:
+    """The partitions of ``topic`` as Faust's producer sees them, fetching its metadata if missing.
+
+    Why: a table whose changelog partition is chosen by the producer's partitioner
+    (``use_partitioner=True``, the answer cache) needs the changelog topic's metadata before its first
+    write, and Faust's producer has no public call that loads it.
+    """
+    return set(await kafka_producer(producer).partitions_for(topic))
+
+
+@contextlib.contextmanager
+def as_current_event(event: EventT) -> Iterator[None]:
+    """Make ``event`` Faust's current event inside the block (what ``faust.current_event()`` returns).
+
+    Why: Faust's RocksDB store picks the partition database of a table write from the current event,
+    and the inference loop writes the answer cache after a model call, outside any stream iteration.
+    Private: ``faust.streams._current_event``, a ContextVar holding a weak reference to the event.
+    """
+    from faust.streams import _current_event
+
+    token = _current_event.set(weakref.ref(event))
+    try:
+        yield
+    finally:
+        _current_event.reset(token)
+
+
+async def refresh_metadata(consumer: AIOKafkaConsumer) -> None:
+    """Fetch the cluster metadata now, so ``partitions_for_topic`` sees a topic created moments ago.
+
+    Why: a consumer without a group (it assigns partitions itself) learns of new topics only on its
+    periodic metadata refresh; aiokafka has no public call to refresh it at once.
+    Private: ``AIOKafkaConsumer._client.force_metadata_update()``.
+    """
+    client: Any = consumer._client
+    await client.force_metadata_update()
+
+
+async def leave_group(app: Any) -> bool:
+    """Leave the consumer group now, also as a static member; True when the request was sent.
+
+    aiokafka never sends LeaveGroup for a member with a ``group_instance_id`` (static membership
+    keeps partitions through a quick restart); on a deliberate stop surge wants them moved at once.
+    The consumer lives in Faust's consumer thread, so the call runs there.
+    """
+    thread = getattr(app.consumer, "_thread", None)
+    if thread is None:
+        return False
+    consumer = thread._ensure_consumer()
+    coordinator = consumer._coordinator
+
+    async def _leave() -> None:
+        coordinator._group_instance_id = None
+        await coordinator._maybe_leave_group()
+
+    try:
+        await asyncio.wait_for(thread.call_thread(_leave), 5.0)
+    except Exception:
+        return False
+    return True

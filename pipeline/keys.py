@@ -1,0 +1,64 @@
+"""The keys that decide what may be shared, in one place (docs/architecture.md, "Caches and scopes").
+
+* :func:`request_scope`: within one scope requests may share an answer (exact cache, semantic cache,
+  merging). It covers the tenant, the served model and its version, the generation parameters and
+  the whole conversation except its last user message (system prompt and earlier turns), so a
+  different system prompt, history, model fix or parameter set never shares an answer. The last
+  user message is what the exact key normalises and the embedder reads.
+* :func:`reply_key`: the idempotency key of a request in the reply record table: tenant, user and
+  request_id, so two tenants (or two users) numbering their requests alike never collide.
+* :func:`source_key`: an identifier the client cannot choose (the record's topic, partition and
+  offset), used for merge leaders.
+
+Pure: hashlib and json only. Intake and inference both call these, so their keys always agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+
+from pipeline.dedup import exact_key, normalize
+
+
+def request_scope(
+    *,
+    tenant: str,
+    model: str,
+    model_version: str,
+    max_tokens: int,
+    temperature: float,
+    logprobs: bool,
+    context: Sequence[tuple[str, str]] = (),
+) -> str:
+    """sha256 hex of everything two requests must share to share an answer."""
+    payload = json.dumps(
+        [
+            tenant,
+            model,
+            model_version,
+            int(max_tokens),
+            float(temperature),
+            bool(logprobs),
+            [[role, content] for role, content in context],
+        ],
+        ensure_ascii=False,
+    )
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def cache_key(text: str, scope: str) -> str:
+    """The exact-cache key of the last user message ``text`` within ``scope``."""
+    return exact_key(normalize(text), scope)
+
+
+def reply_key(tenant: str, user_id: str, request_id: str) -> str:
+    """Key of a request's recorded reply; the parts are length-prefixed so no two triples collide."""
+    parts = (tenant, user_id, request_id)
+    return "|".join(f"{len(p)}:{p}" for p in parts)
+
+
+def source_key(topic: str, partition: int, offset: int) -> str:
+    """Where a record was read from: unique per record, never chosen by a client."""
+    return f"{topic}/{partition}@{offset}"
