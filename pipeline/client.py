@@ -16,6 +16,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from pipeline.compat import refresh_metadata
 from pipeline.records import InferenceReply, now_ms
 
 log = logging.getLogger("surge.client")
@@ -66,7 +67,7 @@ class SurgeClient:
             parts = self.consumer.partitions_for_topic(self.reply_topic)
             if parts:
                 break
-            await self.consumer._client.force_metadata_update()
+            await refresh_metadata(self.consumer)
             await asyncio.sleep(0.1)
         if not parts:
             raise RuntimeError(f"reply topic {self.reply_topic!r} does not exist")

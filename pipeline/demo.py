@@ -20,16 +20,8 @@ from pipeline.procs import WorkerProcess
 from pipeline.records import InferenceReply
 from pipeline.samples import QUESTIONS, REPHRASINGS, USERS
 from pipeline.settings import Settings
+from pipeline.stats import percentile
 from pipeline.topics import TopicNames
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100) by nearest rank; 0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    k = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
-    return ordered[k]
 
 
 def workload(n: int, seed: int = 7) -> list[dict[str, Any]]:
@@ -44,10 +36,15 @@ def workload(n: int, seed: int = 7) -> list[dict[str, Any]]:
         else:
             text = rng.choice(QUESTIONS)
         prio = rng.choices(["realtime", "interactive", "batch"], weights=[1, 6, 3])[0]
-        out.append({
-            "request_id": f"demo-{run}-{i}", "user_id": rng.choice(USERS), "priority": prio,
-            "tier": rng.choices(["free", "standard", "premium"], weights=[2, 6, 2])[0], "prompt": text,
-        })  # fmt: skip
+        out.append(
+            {
+                "request_id": f"demo-{run}-{i}",
+                "user_id": rng.choice(USERS),
+                "priority": prio,
+                "tier": rng.choices(["free", "standard", "premium"], weights=[2, 6, 2])[0],
+                "prompt": text,
+            }
+        )
     return out
 
 
@@ -100,13 +97,14 @@ async def _drive(settings: Settings, n: int, rate_per_s: float, quiet: bool) -> 
         "ok": sum(r.status == "ok" for r in replies),
         "errors": dict(errors),
         "served_from": dict(Counter(r.served_from for r in replies if r.served_from)),
-        "latency_ms": {
-            "p50": round(percentile(latencies, 50), 1),
-            "p99": round(percentile(latencies, 99), 1),
-        },
+        "latency_ms": {q: _ms(percentile(latencies, p)) for q, p in (("p50", 50), ("p99", 99))},
         "requests_per_s": round(len(replies) / elapsed, 1),
         "seconds": round(elapsed, 2),
     }
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
 
 
 def run_demo(n: int, rate_per_s: float, data_dir: Path, quiet: bool = False) -> dict[str, Any]:

@@ -1,4 +1,9 @@
-"""Start and stop ``surge worker`` processes (demo, benchmarks, tests)."""
+"""Processes that surge's own tools start and stop: workers, gateways, baseline servers.
+
+:class:`ManagedProcess` is the one process runner of the demo, the benchmarks and the tests: a
+subprocess in its own session, logging to a file, ready once a marker line shows in its log,
+stopped with SIGTERM and then SIGKILL. :class:`WorkerProcess` is a ``surge worker``.
+"""
 
 from __future__ import annotations
 
@@ -8,61 +13,111 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pipeline.broker import free_port, stop_pid
 from pipeline.exceptions import SurgeError
 
 
-class WorkerProcess:
-    """One ``surge worker`` subprocess with its own environment."""
+class ManagedProcess:
+    """One subprocess: ``argv`` with ``env`` on top of this process's environment, output to ``log_path``."""
 
-    def __init__(self, env: dict[str, str], log_path: str | Path, role: str = "all") -> None:
-        self.env = {**os.environ, **env, "SURGE_ROLE": role, "PYTHONUNBUFFERED": "1"}
-        self.env.setdefault("SURGE_WEB_PORT", str(free_port()))
-        self.web_port = int(self.env["SURGE_WEB_PORT"])
+    #: what the process logs once it can serve; :meth:`wait_ready` waits for it
+    ready_marker: str = ""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        log_path: str | Path,
+        env: Mapping[str, str] | None = None,
+        *,
+        name: str | None = None,
+    ) -> None:
+        self.argv = list(argv)
         self.log_path = Path(log_path)
+        self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        self.name = name or " ".join(self.argv[1:4])
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> WorkerProcess:
+    def start(self) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", "worker"], env=self.env, stdout=log,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-        log.close()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         return self
 
-    def wait_ready(self, timeout_s: float = 120.0, marker: str = "surge worker ready") -> None:
-        """Block until the worker has logged ``marker`` (models loaded, partitions assigned)."""
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def is_ready(self, marker: str) -> bool:
+        """Whether the process can serve: ``marker`` shows in its log (override for another probe,
+        e.g. an HTTP readiness endpoint)."""
+        return self.log_path.exists() and marker in self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, marker: str | None = None, timeout_s: float = 120.0) -> None:
+        """Block until :meth:`is_ready` (by default: ``marker``, else :attr:`ready_marker`, shows in the
+        log); :class:`SurgeError` with the log's tail when the process exits first or time runs out."""
+        marker = marker or self.ready_marker
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise SurgeError(f"worker exited with {self.proc.returncode}:\n{self.tail()}")
-            if self.log_path.exists() and marker in self.log_path.read_text(errors="replace"):
+                raise SurgeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            if self.is_ready(marker):
                 return
-            time.sleep(0.3)
-        raise SurgeError(f"worker not ready after {timeout_s:.0f} s:\n{self.tail()}")
-
-    def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.web_port}/metrics", timeout=10) as r:
-            return r.read().decode()
+            time.sleep(0.2)
+        raise SurgeError(f"{self.name} not ready after {timeout_s:.0f} s:\n{self.tail()}")
 
     def tail(self, n: int = 4000) -> str:
+        """The last ``n`` characters of the log."""
         return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
 
     def kill(self) -> None:
-        """SIGKILL: the crash a worker must survive without losing a request."""
-        if self.proc is not None and self.proc.poll() is None:
+        """SIGKILL to the whole process group: the crash a worker must survive without losing a request."""
+        if self.running:
+            assert self.proc is not None
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        """SIGTERM, then SIGKILL when it has not exited after ``timeout_s``."""
+        if self.running:
+            assert self.proc is not None
             stop_pid(self.proc.pid, timeout_s)
             try:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(5)
+
+
+class WorkerProcess(ManagedProcess):
+    """One ``surge worker`` subprocess; ``env`` holds its ``SURGE_*`` settings."""
+
+    ready_marker = "surge worker ready"
+
+    def __init__(self, env: Mapping[str, str], log_path: str | Path, role: str = "all") -> None:
+        super().__init__(
+            [sys.executable, "-m", "pipeline.cli", "worker"],
+            log_path,
+            {**env, "SURGE_ROLE": role},
+            name=f"worker ({role})",
+        )
+        self.env.setdefault("SURGE_WEB_PORT", str(free_port()))
+        self.web_port = int(self.env["SURGE_WEB_PORT"])
+
+    def start(self) -> WorkerProcess:
+        super().start()
+        return self
+
+    def metrics(self) -> str:
+        """The worker's ``/metrics`` text."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.web_port}/metrics", timeout=10) as r:
+            return r.read().decode()

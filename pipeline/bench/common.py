@@ -3,14 +3,14 @@
 Called by every scenario module. :class:`BenchEnv` starts the embedded Kafka broker once per run
 (data dir ``.surge-bench/kafka``), hands out :class:`BenchDeployment` objects (one topic prefix,
 app id and worker per arm, so arms share the broker but nothing else) and stops every process it
-started when the ``with`` block ends, also on errors and Ctrl-C.
+started when the ``with`` block ends, also on errors and Ctrl-C. Deployments, processes and
+percentiles are the ones the tests and the demo use too (``pipeline.deployment``, ``pipeline.procs``,
+``pipeline.stats``); they are importable from here as well.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import math
 import os
 import platform
 import shutil
@@ -18,16 +18,16 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipeline.broker import EmbeddedKafka
-from pipeline.client import SurgeClient
+from pipeline.deployment import Deployment, deployment_env
 from pipeline.exceptions import SurgeError
-from pipeline.procs import WorkerProcess
-from pipeline.settings import Settings
-from pipeline.topics import TopicNames
+from pipeline.metrics import scrape as scrape
+from pipeline.procs import ManagedProcess
+from pipeline.stats import latency_summary as latency_summary
+from pipeline.stats import percentile as percentile
 
 BENCH_DIR = Path(".surge-bench")
 RESULTS_DIR = Path("bench-results")
@@ -73,35 +73,6 @@ class BenchError(SurgeError):
 
 
 # ---- statistics -----------------------------------------------------------------------------------
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0-100) by linear interpolation; ``None`` for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    if len(xs) == 1:
-        return float(xs[0])
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return float(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
-
-
-def latency_summary(ms: Sequence[float]) -> dict[str, float | int | None]:
-    """count, mean, p50, p90, p99, p999 and max of latencies in milliseconds (rounded to 0.1 ms)."""
-
-    def r(x: float | None) -> float | None:
-        return None if x is None else round(x, 1)
-
-    return {
-        "count": len(ms),
-        "mean_ms": r(sum(ms) / len(ms)) if ms else None,
-        "p50_ms": r(percentile(ms, 50)),
-        "p90_ms": r(percentile(ms, 90)),
-        "p99_ms": r(percentile(ms, 99)),
-        "p999_ms": r(percentile(ms, 99.9)),
-        "max_ms": r(max(ms)) if ms else None,
-    }
-
-
 def ratio(a: float | None, b: float | None) -> float | None:
     """a / b rounded to 3 places, ``None`` where undefined."""
     if a is None or b is None or b == 0:
@@ -116,23 +87,15 @@ def target(name: str, value: float | None, op: str, goal: float, unit: str = "")
     met = value >= goal if op == ">=" else value <= goal
     missed_by = 0.0 if met else round(abs(goal - value), 4)
     return {
-        "name": name, "value": round(value, 4), "goal": f"{op} {goal}{unit}", "met": met,
+        "name": name,
+        "value": round(value, 4),
+        "goal": f"{op} {goal}{unit}",
+        "met": met,
         "missed_by": missed_by,
-    }  # fmt: skip
+    }
 
 
-# ---- metrics --------------------------------------------------------------------------------------
-def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Prometheus exposition text → ``{(sample name, sorted labels): value}``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
-    return out
-
-
+# ---- metrics (scrape: pipeline.metrics) -----------------------------------------------------------
 def metric_sum(
     samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
 ) -> float:
@@ -154,63 +117,8 @@ def metric_delta(
 
 
 # ---- deployments ----------------------------------------------------------------------------------
-@dataclass
-class BenchDeployment:
-    """One arm's surge deployment: its own topics, app id, worker and client on the shared broker."""
-
-    name: str
-    env: dict[str, str]
-    bootstrap: str
-    tmp: Path
-    workers: list[WorkerProcess] = field(default_factory=list)
-    clients: list[SurgeClient] = field(default_factory=list)
-
-    @property
-    def topics(self) -> TopicNames:
-        return TopicNames(self.env["SURGE_TOPIC_PREFIX"])
-
-    def settings(self) -> Settings:
-        """The Settings a worker of this deployment reads (validated here, before any start)."""
-        saved = dict(os.environ)
-        try:
-            os.environ.update(self.env)
-            return Settings.load()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-
-    def start_worker(self) -> WorkerProcess:
-        """Start one ``surge worker`` (not waiting for it: see :meth:`BenchEnv.wait_ready`)."""
-        w = WorkerProcess(self.env, self.tmp / f"{self.name}-worker-{len(self.workers)}.log")
-        self.workers.append(w.start())
-        return w
-
-    async def client(self) -> SurgeClient:
-        """A started client of this deployment's request and reply topics (topics created first)."""
-        from pipeline.admin import ensure_topics
-
-        await ensure_topics(self.settings())
-        c = SurgeClient(self.bootstrap, requests_topic=self.topics.requests, reply_topic=self.topics.replies)
-        await c.start()
-        self.clients.append(c)
-        return c
-
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        """The first worker's /metrics, parsed."""
-        return scrape(self.workers[0].metrics())
-
-    async def close(self) -> None:
-        for c in self.clients:
-            try:
-                await asyncio.wait_for(c.stop(), 10)
-            except Exception:
-                pass
-        self.clients.clear()
-        self.stop_workers()
-
-    def stop_workers(self) -> None:
-        for w in self.workers:
-            w.stop(timeout_s=15)
+#: one arm's surge deployment: its own topics, app id, worker and client on the shared broker
+BenchDeployment = Deployment
 
 
 class BenchEnv:
@@ -252,7 +160,7 @@ class BenchEnv:
         """Stop workers, helper processes and the broker (idempotent)."""
         for d in self.deployments:
             d.clients.clear()  # clients belong to the scenario's event loop, which closes them
-            d.stop_workers()
+            d.stop_workers(timeout_s=15)
         for stop in reversed(self.extra_stops):
             try:
                 stop()
@@ -270,16 +178,14 @@ class BenchEnv:
     def deployment(self, name: str, **env: str | int | float | bool) -> BenchDeployment:
         """A new isolated deployment for arm ``name``; ``env`` keys are Settings field names."""
         tag = uuid.uuid4().hex[:8]
-        full = {
-            **BASE_ENV,
-            "SURGE_BROKER": f"kafka://{self.bootstrap}",
-            "SURGE_TOPIC_PREFIX": f"b{tag}.",
-            "SURGE_APP_ID": f"bench-{self.scenario}-{name}-{tag}",
-            "SURGE_DATA_DIR": str(self.run_dir / "data" / f"{name}-{tag}"),
-        }
-        for k, v in env.items():
-            key = k if k.isupper() else f"SURGE_{k.upper()}"
-            full[key] = str(v).lower() if isinstance(v, bool) else str(v)
+        full = deployment_env(
+            self.bootstrap,
+            prefix=f"b{tag}.",
+            app_id=f"bench-{self.scenario}-{name}-{tag}",
+            data_dir=self.run_dir / "data" / f"{name}-{tag}",
+            defaults=BASE_ENV,
+            **env,
+        )
         d = BenchDeployment(name, full, self.bootstrap, self.run_dir)
         d.settings()  # fail fast on an invalid combination
         self.deployments.append(d)
@@ -372,51 +278,29 @@ def finish(
     return 0
 
 
-class HelperProcess:
-    """A baseline process the benchmark starts (plain loop, sync server, gateway): logs to a file,
-    ready when ``marker`` appears in it, stopped with SIGTERM then SIGKILL."""
+class HelperProcess(ManagedProcess):
+    """A baseline process the benchmark starts (plain loop, sync server, gateway): a
+    :class:`ManagedProcess` whose stop is registered with the :class:`BenchEnv`, and whose failure to
+    start is a :class:`BenchError`."""
 
     def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.argv = argv
-        self.log_path = log_path
-        self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
-        self.proc: Any = None
+        super().__init__(argv, log_path, env, name=" ".join(argv[2:4]))
 
-    def start(self, env: BenchEnv) -> HelperProcess:
+    def start(self, env: BenchEnv | None = None) -> HelperProcess:
         """Start it and register its stop with ``env`` (so it is stopped on any exit)."""
-        import subprocess
-
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )  # fmt: skip
-        env.extra_stops.append(self.stop)
+        super().start()
+        if env is not None:
+            env.extra_stops.append(self.stop)
         return self
 
-    def wait_ready(self, marker: str, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise BenchError(f"{self.argv[2:4]} exited with {self.proc.returncode}:\n{self.tail()}")
-            if self.log_path.exists() and marker in self.log_path.read_text(errors="replace"):
-                return
-            time.sleep(0.2)
-        raise BenchError(f"{self.argv[2:4]} not ready after {timeout_s:.0f} s:\n{self.tail()}")
+    def wait_ready(self, marker: str | None = None, timeout_s: float = 120.0) -> None:
+        try:
+            super().wait_ready(marker, timeout_s)
+        except SurgeError as exc:
+            raise BenchError(str(exc)) from exc
 
-    def tail(self, n: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
-
-    def stop(self) -> None:
-        from pipeline.broker import stop_pid
-
-        if self.proc is not None and self.proc.poll() is None:
-            stop_pid(self.proc.pid, 10)
-            try:
-                self.proc.wait(5)
-            except Exception:
-                pass
+    def stop(self, timeout_s: float = 10.0) -> None:
+        super().stop(timeout_s)
 
 
 def progress(total: int, desc: str) -> Any:

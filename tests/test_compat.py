@@ -1,0 +1,107 @@
+"""pipeline/compat.py against the installed faust-streaming and aiokafka.
+
+When either library is upgraded, this is the file that says whether surge's uses of their private
+APIs still hold: the versions are pinned here, each private attribute is looked up, and each helper
+is run (against the real broker where it talks to one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import uuid
+from contextvars import ContextVar
+from importlib.metadata import version
+
+import faust
+import faust.streams
+import pytest
+from aiokafka import AIOKafkaConsumer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.client import AIOKafkaClient
+from aiokafka.consumer.group_coordinator import GroupCoordinator
+from faust.transport.consumer import ThreadDelegateConsumer
+from faust.transport.drivers import aiokafka as faust_aiokafka
+
+from pipeline import compat
+from pipeline.broker import EmbeddedKafka
+
+
+def test_written_for_the_installed_versions() -> None:
+    installed = {name: version(name) for name in compat.WRITTEN_FOR}
+    assert installed == compat.WRITTEN_FOR, (
+        "faust-streaming or aiokafka changed: check every helper in pipeline/compat.py against the new "
+        "version (this file runs them), then update WRITTEN_FOR"
+    )
+
+
+def test_the_private_attributes_exist() -> None:
+    assert isinstance(faust.streams._current_event, ContextVar)
+    assert callable(faust_aiokafka.Producer._ensure_producer)
+    assert callable(AIOKafkaClient.force_metadata_update)
+    # leave_group: Faust's consumer thread, its aiokafka consumer and that consumer's group coordinator
+    assert "self._thread = self._new_consumer_thread()" in inspect.getsource(ThreadDelegateConsumer)
+    assert callable(faust_aiokafka.AIOKafkaConsumerThread._ensure_consumer)
+    assert callable(faust_aiokafka.AIOKafkaConsumerThread.call_thread)
+    assert "self._coordinator = GroupCoordinator(" in inspect.getsource(AIOKafkaConsumer)
+    assert "self._group_instance_id = group_instance_id" in inspect.getsource(GroupCoordinator)
+    assert inspect.iscoroutinefunction(GroupCoordinator._maybe_leave_group)
+
+
+async def test_the_consumer_keeps_its_client_in_client() -> None:
+    consumer = AIOKafkaConsumer(bootstrap_servers="127.0.0.1:1")
+    assert isinstance(consumer._client, AIOKafkaClient)
+
+
+def test_as_current_event_sets_and_restores_faust_current_event() -> None:
+    class Event:  # anything weak-referenceable stands in for a faust Event here
+        pass
+
+    outer, inner = Event(), Event()
+    assert faust.current_event() is None
+    with compat.as_current_event(outer):  # type: ignore[arg-type]
+        assert faust.current_event() is outer
+        with compat.as_current_event(inner):  # type: ignore[arg-type]
+            assert faust.current_event() is inner
+        assert faust.current_event() is outer
+    assert faust.current_event() is None
+
+
+async def _create_topic(bootstrap: str, partitions: int) -> str:
+    topic = f"compat-{uuid.uuid4().hex[:8]}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
+    finally:
+        await admin.close()
+    return topic
+
+
+@pytest.mark.integration
+async def test_refresh_metadata_shows_a_topic_created_after_start(kafka: EmbeddedKafka) -> None:
+    consumer = AIOKafkaConsumer(bootstrap_servers=kafka.bootstrap, metadata_max_age_ms=300_000)
+    await consumer.start()
+    try:
+        topic = await _create_topic(kafka.bootstrap, 3)
+        for _ in range(50):
+            await compat.refresh_metadata(consumer)
+            if consumer.partitions_for_topic(topic):
+                break
+            await asyncio.sleep(0.1)
+        assert consumer.partitions_for_topic(topic) == {0, 1, 2}
+    finally:
+        await consumer.stop()
+
+
+@pytest.mark.integration
+async def test_producer_partitions_for_loads_the_metadata(kafka: EmbeddedKafka) -> None:
+    topic = await _create_topic(kafka.bootstrap, 2)
+    app = faust.App(f"compat-{uuid.uuid4().hex[:8]}", broker=f"kafka://{kafka.bootstrap}", autodiscover=False)
+    producer = app.producer
+    await producer.maybe_start()
+    try:
+        assert compat.kafka_producer(producer) is compat.kafka_producer(producer)  # one underlying client
+        assert await compat.producer_partitions_for(producer, topic) == {0, 1}
+    finally:
+        await producer.stop()
