@@ -337,6 +337,97 @@ def test_compose_runs_kafka_in_kraft_mode_and_every_role() -> None:
     assert services["topics"]["entrypoint"][-1] == "/create-topics.sh"
 
 
+#: a compose value that must be set by the operator: ``${NAME:?message}`` (no default)
+_REQUIRED = re.compile(r"\$\{[A-Z_][A-Z0-9_]*:\?[^}]+\}")
+
+
+def _listener_protocols(env: dict[str, Any]) -> dict[str, str]:
+    """Kafka listener name → security protocol, from the listener map."""
+    return dict(p.split(":", 1) for p in env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(","))
+
+
+def test_compose_publishes_kafka_only_behind_sasl_on_this_machine() -> None:
+    kafka = _compose()["services"]["kafka"]
+    env = kafka["environment"]
+    listeners = {
+        int(spec.rsplit(":", 1)[1]): spec.split("://", 1)[0] for spec in env["KAFKA_LISTENERS"].split(",")
+    }
+    protocols = _listener_protocols(env)
+    assert kafka["ports"], "the host reaches Kafka through a published listener"
+    for published in kafka["ports"]:
+        host_ip, _, container = str(published).split(":")
+        listener = listeners[int(container)]
+        assert protocols[listener].startswith("SASL_"), f"{published}: {listener} is {protocols[listener]}"
+        assert host_ip == "127.0.0.1", f"{published}: SASL_PLAINTEXT is published on this machine only"
+        jaas = env[f"KAFKA_LISTENER_NAME_{listener}_PLAIN_SASL_JAAS_CONFIG"]
+        assert "PlainLoginModule required" in jaas
+        passwords = re.findall(r'user_[^=]+="([^"]*)"', jaas)
+        assert passwords and all(_REQUIRED.fullmatch(p) for p in passwords), jaas
+    assert "PLAIN" in env["KAFKA_SASL_ENABLED_MECHANISMS"].split(",")
+    internal = [name for name, proto in protocols.items() if proto == "PLAINTEXT"]
+    for published in kafka["ports"]:
+        assert listeners[int(str(published).split(":")[-1])] not in internal
+
+
+def test_compose_needs_its_secrets_and_has_no_default_password() -> None:
+    services = _compose()["services"]
+    assert _REQUIRED.fullmatch(services["gateway"]["environment"]["SURGE_API_KEYS"])
+    grafana = services["grafana"]["environment"]
+    assert _REQUIRED.fullmatch(grafana["GF_SECURITY_ADMIN_PASSWORD"])
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    text = COMPOSE.read_text(encoding="utf-8")
+    assert not re.search(r":-\s*admin\b", text), "no admin/admin"
+    for name in ("prometheus", "grafana"):  # no authentication of their own: this machine only
+        assert all(str(p).startswith("127.0.0.1:") for p in services[name]["ports"]), name
+    assert "--web.enable-lifecycle" not in services["prometheus"]["command"]
+    for name in ("intake", "inference"):
+        assert "ports" not in services[name], f"{name}: the web port stays inside the compose network"
+    example = (DEPLOY_DIR / ".env.example").read_text(encoding="utf-8")
+    needed = set(re.findall(r"\$\{([A-Z_][A-Z0-9_]*):\?", text))
+    assert needed == {"SURGE_API_KEYS", "KAFKA_EXTERNAL_PASSWORD", "GRAFANA_ADMIN_PASSWORD"}
+    for name in needed:
+        assert re.search(rf"^{name}=$", example, flags=re.MULTILINE), f"{name}: in .env.example, empty"
+    assert "deploy/.env" in (REPO / ".gitignore").read_text(encoding="utf-8").split()
+
+
+def test_k8s_gateway_needs_its_keys_and_every_pod_can_take_kafka_credentials() -> None:
+    for name in ("surge-intake", "surge-inference", "surge-gateway"):
+        container = _container(name)
+        secrets = {e["secretRef"]["name"]: e["secretRef"] for e in container["envFrom"] if "secretRef" in e}
+        assert secrets["surge-kafka-credentials"].get("optional") is True, name
+        pod = _k8s_object("Deployment", name)["spec"]["template"]["spec"]
+        (tls,) = [v for v in pod["volumes"] if v["name"] == "kafka-tls"]
+        assert tls["secret"]["secretName"] == "surge-kafka-tls" and tls["secret"]["optional"] is True
+        assert {"name": "kafka-tls", "mountPath": "/etc/surge/kafka-tls", "readOnly": True} in container[
+            "volumeMounts"
+        ]
+        if name == "surge-gateway":
+            assert secrets["surge-api-keys"].get("optional", False) is False, "no gateway without keys"
+    assert _configmap()["SURGE_KAFKA_SECURITY_PROTOCOL"] in {"PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"}
+    job = _k8s_object("Job", "surge-create-topics")["spec"]["template"]["spec"]
+    assert "--command-config" in job["containers"][0]["args"][0]
+    assert job["volumes"][0]["secret"] == {"secretName": "surge-kafka-admin-client", "optional": True}
+
+
+def test_every_surge_variable_deploy_sets_is_a_setting() -> None:
+    from pipeline.settings import Settings
+
+    fields = {f"SURGE_{name.upper()}" for name in Settings.model_fields}
+    compose_only = {"SURGE_INTAKE_REPLICAS", "SURGE_INFERENCE_REPLICAS"}
+    texts = [p.read_text(encoding="utf-8") for p in [*_yaml_files(), DEPLOY_DIR / "README.md"]]
+    used = set().union(*(re.findall(r"\bSURGE_[A-Z0-9_]*[A-Z0-9]\b", t) for t in texts))
+    assert {"SURGE_KAFKA_SECURITY_PROTOCOL", "SURGE_KAFKA_SASL_USERNAME", "SURGE_KAFKA_SSL_CAFILE"} <= used
+    assert used - compose_only <= fields, sorted(used - compose_only - fields)
+
+
+def test_the_deploy_readme_says_how_to_reach_a_secured_cluster() -> None:
+    text = (DEPLOY_DIR / "README.md").read_text(encoding="utf-8")
+    section = text.split("## A secured Kafka cluster", 1)[1].split("\n## ", 1)[0]
+    for needed in ("SASL_SSL", "SURGE_KAFKA_SASL_MECHANISM", "SURGE_KAFKA_SSL_CAFILE", "SURGE_KAFKA_SSL_CERTFILE",
+                   "SURGE_KAFKA_SSL_KEYFILE", "surge-kafka-tls", "--command-config"):  # fmt: skip
+        assert needed in section, needed
+
+
 def test_compose_dollar_signs_are_interpolations_or_escaped() -> None:
     """Compose interpolates `$NAME` and `${NAME...}`; a literal `$` (a regex anchor) must be `$$`."""
     for compose_file in (COMPOSE, DEPLOY_DIR / "compose.gpu.yaml"):

@@ -6,17 +6,22 @@
 #   PREFIX      topic prefix, must equal SURGE_TOPIC_PREFIX (default surge.)
 #   PARTITIONS  partitions per topic, must equal SURGE_PARTITIONS (default 8)
 #   REPLICATION replication factor                         (default 1)
+#   COMMAND_CONFIG  client properties of a secured cluster (security.protocol, sasl.*, ssl.*), optional
 set -euo pipefail
 BOOTSTRAP="${BOOTSTRAP:-kafka:9092}"
 PREFIX="${PREFIX:-surge.}"
 PARTITIONS="${PARTITIONS:-8}"
 REPLICATION="${REPLICATION:-1}"
 KAFKA_TOPICS="${KAFKA_TOPICS:-/opt/kafka/bin/kafka-topics.sh}"
+AUTH=()
+if [[ -n "${COMMAND_CONFIG:-}" ]]; then
+  AUTH=(--command-config "$COMMAND_CONFIG")
+fi
 
 create() {  # create NAME [--config k=v ...]
   local name="$1"
   shift
-  "$KAFKA_TOPICS" --bootstrap-server "$BOOTSTRAP" --create --if-not-exists \
+  "$KAFKA_TOPICS" --bootstrap-server "$BOOTSTRAP" "${AUTH[@]}" --create --if-not-exists \
     --topic "${PREFIX}${name}" --partitions "$PARTITIONS" --replication-factor "$REPLICATION" "$@"
 }
 
@@ -31,4 +36,4 @@ create deadletter        --config retention.ms=1209600000
 create risk.events       --config retention.ms=604800000
 create risk.decisions    --config retention.ms=604800000
 
-"$KAFKA_TOPICS" --bootstrap-server "$BOOTSTRAP" --list | grep -F "$PREFIX" || true
+"$KAFKA_TOPICS" --bootstrap-server "$BOOTSTRAP" "${AUTH[@]}" --list | grep -F "$PREFIX" || true
