@@ -286,6 +286,22 @@ class EmbeddedKafka:
         self.process = None
         self.state_path.unlink(missing_ok=True)
 
+    def restart(self, timeout_s: float = 90.0, port_wait_s: float = 30.0) -> BrokerState:
+        """Stop the broker and start it again on the same port and data dir (topics, offsets and
+        consumer groups survive; clients reconnect to the same address). Used by ``surge bench failover``."""
+        if self.state is None:
+            raise BrokerError("broker is not running")
+        port = self.state.port
+        self.stop()
+        deadline = time.monotonic() + port_wait_s
+        while not port_is_free(port, self.host) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        requested, self.requested_port = self.requested_port, port
+        try:
+            return self.start(timeout_s)
+        finally:
+            self.requested_port = requested
+
     def __enter__(self) -> EmbeddedKafka:
         self.start()
         return self

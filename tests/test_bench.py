@@ -92,7 +92,7 @@ def test_merging_fails_clearly_without_the_data(tmp_path: Path) -> None:
 def test_unknown_scenario_is_refused() -> None:
     with pytest.raises(ValueError, match="one of batching"):
         run_bench("speed", quick=True)
-    assert SCENARIOS == ("batching", "merging", "priority", "overhead", "gateway")
+    assert SCENARIOS == ("batching", "merging", "priority", "overhead", "gateway", "surge", "failover")
 
 
 # ---- quick runs against the real broker -----------------------------------------------------------
@@ -166,3 +166,194 @@ def test_gateway_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
         assert a["ok"] >= 0.9 * a["requests"], a["error_samples"]
         assert a["requests_per_s"] > 0
         _sane_latency(a["latency_ok"])
+
+
+# ---- surge and failover: pure parts ----------------------------------------------------------------
+def _sent(rid: str, priority: str = "interactive", tier: str = "standard", acked: bool | None = True) -> Any:
+    from pipeline.bench.surge import Sent
+
+    return Sent(rid, 0, priority, tier, "default", "unique", created_ms=1_000_000, lag_ms=0.0, step="s",
+                partition=0, acked=acked)  # fmt: skip
+
+
+def _seen(rid: str, after_ms: float, **reply: Any) -> Any:
+    from pipeline.bench.surge import Seen
+
+    return Seen(rid, (1_000_000 + after_ms) / 1000, 0, 0, 0, {"request_id": rid, **reply})
+
+
+@pytest.mark.skipif(not BANKING77.is_file(), reason="banking77 data not present")
+def test_surge_workload_asks_only_unseen_questions_in_the_merging_mix() -> None:
+    from pipeline.bench.surge import QuestionStream, unseen_questions
+    from pipeline.guard import guard_allows
+
+    holdout, trained = unseen_questions(BANKING77)
+    stream = QuestionStream(holdout, exclude=trained)
+    assert stream.excluded > 0, "held-out rows that repeat a training question are left out"
+    items = [stream.next() for _ in range(4 * len(stream.pool))]  # two passes over the held-out pool
+    kinds = [it.kind for it in items]
+    assert abs(kinds.count("unique") / len(items) - 0.5) < 0.03
+    assert abs(kinds.count("repeat") / len(items) - 0.3) < 0.03
+    assert not [it.text for it in items if normalize(it.text) in trained], (
+        "never a question it was trained on"
+    )
+    uniques = [it for it in items if it.kind == "unique"]
+    assert len({normalize(u.text) for u in uniques}) == len(uniques), "unique means unique after normalising"
+    for it in items:
+        if it.kind != "unique":
+            src = items[it.source]
+            assert src.kind == "unique" and src.intent == it.intent and src.tenant == it.tenant
+        if it.kind == "repeat":
+            assert it.text == items[it.source].text
+    # a second pass asks the same question with a customer's own number: the dedup guard keeps them apart
+    later = uniques[len(stream.pool) :]
+    assert later and all(any(ch.isdigit() for ch in u.text) for u in later)
+    first = {u.intent: u.text for u in uniques[: len(stream.pool)] if not any(ch.isdigit() for ch in u.text)}
+    pairs = [(first[u.intent], u.text) for u in later[:50] if u.intent in first]
+    assert pairs and not any(guard_allows(a, b)[0] for a, b in pairs if a.split()[:3] == b.split()[:3])
+
+
+def test_surge_users_stay_within_their_rate_at_the_peak() -> None:
+    from collections import Counter
+
+    from pipeline.bench.surge import TIER_MIX, Population, tenants_for
+    from pipeline.settings import Settings
+
+    s = Settings()
+    peak, seconds = 300.0, 60
+    pop = Population.for_rate(peak, s)
+    picks = [pop.pick("default") for _ in range(int(peak * seconds))]
+    per_user = Counter(user for _, _, user in picks)
+    tier_of = {user: tier for tier, _, user in picks}
+    for user, n in per_user.items():
+        assert n / seconds <= 0.5 * getattr(s, f"user_rate_per_s_{tier_of[user]}"), user
+    share = Counter(tier for tier, _, _ in picks)
+    total = sum(w for _, w in TIER_MIX)
+    for tier, w in TIER_MIX:
+        assert abs(share[tier] / len(picks) - w / total) < 0.02
+    classes = Counter(c for _, c, _ in picks)
+    assert (
+        abs(classes["realtime"] / len(picks) - 0.1) < 0.02 and abs(classes["batch"] / len(picks) - 0.4) < 0.02
+    )
+    assert tenants_for(peak, s) == 1 and tenants_for(10 * s.tenant_rate_per_s, s) >= 10
+
+
+def test_surge_templates_are_judged_by_class_tier_and_level() -> None:
+    from pipeline.bench.surge import settled_after, template_violation
+
+    tpl = {"status": "ok", "served_from": "template", "finish_reason": "template", "degradation_level": 3}
+    assert template_violation(tpl, _sent("a", "batch")) is None
+    assert template_violation(tpl, _sent("a", "offline", "premium")) is None
+    assert template_violation(tpl, _sent("a", "interactive", "free")) is None
+    assert (
+        template_violation(tpl, _sent("a", "interactive", "standard"))
+        == "interactive standard-tier templated"
+    )
+    assert template_violation(tpl, _sent("a", "realtime", "free")) == "realtime templated"
+    assert template_violation({**tpl, "degradation_level": 2}, _sent("a", "batch")) == "template at level 2"
+    assert template_violation({"status": "ok", "served_from": "model"}, _sent("a", "realtime")) is None
+    points = [(0.0, False), (1.0, True), (2.0, False), (3.0, True), (4.0, True)]
+    assert settled_after(points, 0.5) == 2.5, "settled from the first point after the last bad one"
+    assert settled_after(points, 3.0) == 0.0
+    assert settled_after([*points, (5.0, False)], 0.0) is None, "not settled at the end: None"
+
+
+def test_surge_class_summary_counts_each_kind_of_miss_once() -> None:
+    from collections import defaultdict
+
+    from pipeline.bench.surge import class_summary, exactly_once
+
+    recs = [_sent(f"r{i}") for i in range(5)] + [_sent("failed", acked=False)]
+    by_rid: dict[str, list[Any]] = defaultdict(list)
+    by_rid["r0"] += [_seen("r0", 100, status="ok", served_from="model")]
+    by_rid["r1"] += [_seen("r1", 900, status="ok", served_from="cache")]  # late
+    by_rid["r2"] += [_seen("r2", 50, status="error", error={"code": "deadline_exceeded"})]
+    by_rid["r3"] += [_seen("r3", 80, status="ok", served_from="template", finish_reason="template"),
+                     _seen("r3", 2000, status="ok", served_from="template", finish_reason="template")]  # fmt: skip
+    c = class_summary(recs, by_rid, 500)  # r4: no reply
+    counts = [c[k] for k in ("offered", "produce_failed", "answered", "missing", "duplicated")]
+    assert counts == [6, 1, 4, 1, 1]
+    assert (c["ok"], c["template"], c["errors"]) == (3, 1, {"deadline_exceeded": 1})
+    assert (c["deadline_exceeded"], c["late_ok"], c["misses"], c["miss_rate"]) == (1, 1, 3, 0.6)
+    assert c["latency_ok"]["max_ms"] == 900.0, "latency counts to the first reply"
+    no_deadline = class_summary(recs, by_rid, None)
+    assert (no_deadline["late_ok"], no_deadline["misses"]) == (0, 2), "no deadline: nothing is late"
+    assert exactly_once(recs, by_rid) == {"acked": 5, "missing": 1, "duplicated": 1, "extra_replies": 1}
+
+
+@pytest.mark.parametrize("scenario", ["surge", "failover"])
+def test_surge_and_failover_fail_clearly_without_the_data(scenario: str, tmp_path: Path) -> None:
+    with pytest.raises(BenchError, match="banking77 CSV not found"):
+        run_bench(scenario, quick=True, json_path=tmp_path / "x.json", banking77_csv=tmp_path / "nope.csv")
+
+
+# ---- surge and failover: quick runs against the real broker ---------------------------------------
+@pytest.mark.integration
+@pytest.mark.skipif(not BANKING77.is_file(), reason="banking77 data not present")
+def test_surge_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
+    r = _run("surge", kafka, tmp_path, banking77_csv=BANKING77)
+    limit = r["limit_rps"]
+    assert limit > 0 and r["limit"]["batch_size"] > 1
+    assert list(r["steps"]) == ["0.5L", "0.8L", "2L", "0.5L-after"]
+    assert r["workload"]["holdout_rows_left_out_as_seen_in_training"] > 0
+    total_sent = 0
+    for name, step in r["steps"].items():
+        mult = {"0.5L": 0.5, "0.8L": 0.8, "2L": 2.0, "0.5L-after": 0.5}[name]
+        assert step["offered_rps"] == pytest.approx(mult * limit * r["plan"]["rate_scale"], rel=0.01)
+        assert step["sent"] == pytest.approx(step["offered_rps"] * step["duration_s"], abs=1)
+        total_sent += step["sent"]
+        classes = step["classes"]
+        assert set(classes) == {"realtime", "interactive", "batch", "offline"}
+        assert sum(c["offered"] for c in classes.values()) == step["sent"]
+        for c in classes.values():
+            assert c["answered"] == c["offered"] - c["produce_failed"] - c["missing"]
+            assert c["ok"] + sum(c["errors"].values()) == c["answered"]
+            assert c["misses"] == c["deadline_exceeded"] + c["late_ok"] + c["missing"]
+            if c["ok"]:
+                _sane_latency(c["latency_ok"])
+        assert step["scrapes"] > 0 and step["peak_rss_mib"] > 100, "the worker was watched"
+        assert step["max_degradation_level"] in (0, 1, 2, 3)
+    # nothing lost on the quick path: every request answered exactly once, templates only where allowed
+    assert r["replies"]["acked"] == total_sent and r["replies"]["produce_failed"] == 0
+    assert r["replies"]["missing"] == 0, r.get("worker_log_tail")
+    assert r["replies"]["duplicated"] == 0 and r["replies"]["unexpected_reply_records"] == 0
+    assert r["templates"]["violations"] == {}
+    assert sum(r["kinds"].values()) == total_sent and r["kinds"]["unique"] > 0.35 * total_sent
+    assert r["recovery"]["requests_before_surge_end_unanswered"] == 0
+    assert r["recovery"]["backlog_replies_drained_after_s"] is not None
+    names = {t["name"] for t in r["targets"]}
+    assert {
+        "0.8L error replies",
+        "2L realtime miss rate",
+        "peak RSS drift, second 0.5L step vs first",
+    } <= names
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not BANKING77.is_file(), reason="banking77 data not present")
+def test_failover_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
+    from pipeline.broker import _run_sync, metadata_answers
+
+    bootstrap = kafka.bootstrap
+    r = _run("failover", kafka, tmp_path, banking77_csv=BANKING77)
+    assert kafka.bootstrap == bootstrap and r["broker_same_address_after_restart"]
+    assert _run_sync(metadata_answers(kafka.bootstrap)), "the shared broker is back for the other tests"
+    assert [e["kind"] for e in r["events"]] == ["sigkill", "sigterm", "broker"], "no worker exited by itself"
+    for e in r["events"]:
+        assert e["recovered_after_s"] is not None, e
+        assert e["every_partition_served_after_s"] is not None and e["every_partition_served_after_s"] >= 0
+        assert e["back_after_s"] is not None and e["back_after_s"] > 0
+    assert r["events"][1]["exit_code"] == 0, "a worker exits cleanly on SIGTERM"
+    assert r["partitions_with_traffic"] == [0, 1, 2, 3]
+    assert r["baseline_assigned"] and r["baseline_assigned"] > 0
+    # nothing lost on the quick path, through a SIGKILL, a SIGTERM and a broker restart
+    assert r["acked"] == r["sent"] > 0 and r["produce_failed"] == 0
+    assert r["lost"] == 0, r["lost_examples"]
+    assert r["answered"] == r["acked"]
+    assert 0 <= r["repeats_that_differ"] <= r["repeats"] < 0.1 * r["sent"]
+    for where in ("inside_windows", "outside_windows"):
+        for c in r["classes"][where].values():
+            assert c["misses"] == c["deadline_exceeded"] + c["late_ok"] + c["missing"]
+    offered = sum(c["offered"] for w in r["classes"].values() for c in w.values())
+    assert offered == r["sent"]
+    assert len(r["windows"]) == 3 and all(b > a for a, b in r["windows"])

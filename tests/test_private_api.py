@@ -36,7 +36,6 @@ COMPAT = {"pipeline/compat.py", "tests/test_compat.py"}
 NOT_YET_SWITCHED: dict[str, str] = {
     "agents/inference.py": "producer._ensure_producer().partitions_for → compat.producer_partitions_for",
     "agents/runtime.py": "faust.streams._current_event → compat.as_current_event",
-    "pipeline/bench/surge.py": "consumer._client.force_metadata_update() → compat.refresh_metadata(consumer)",
 }
 
 #: (file, expression) pairs that read a surge object's own private attribute whose name happens to be

@@ -1,9 +1,10 @@
 """``surge bench SCENARIO``: the real pipeline on the embedded Kafka against its baselines and its limit.
 
-Scenarios (DESIGN.md "Performance: how it is measured"), one module each: ``batching``, ``merging``,
-``priority``, ``overhead``, ``gateway``. Each runs all of its arms in one process run on one broker,
-interleaved where the arms allow it, and writes a JSON result (ratios, latency percentiles, targets
-with how much they are missed by) and a PNG plot, by default under ``bench-results/``.
+Scenarios (docs/architecture.md, "Performance: how it is measured"), one module each: ``batching``,
+``merging``, ``priority``, ``overhead``, ``gateway``, ``surge``, ``failover``. Each runs all of its arms
+in one process run on one broker, interleaved where the arms allow it, and writes a JSON result (ratios,
+latency percentiles, targets with how much they are missed by) and a PNG plot, by default under
+``bench-results/``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-SCENARIOS: tuple[str, ...] = ("batching", "merging", "priority", "overhead", "gateway")
+SCENARIOS: tuple[str, ...] = ("batching", "merging", "priority", "overhead", "gateway", "surge", "failover")
 
 
 def run_bench(

@@ -1,0 +1,1203 @@
+"""``surge bench surge``: the default path in open-loop steps around the model-alone limit L.
+
+Default path: the FAQ answerer over MiniLM, exact and semantic caches and merging on, rate limits on,
+degradation on, one worker, the class deadlines of the settings. Nothing is relaxed for the benchmark
+except that users and tenants are spread so that no user or tenant exceeds its rate (a refusal is
+then a finding, not the workload's doing).
+
+Workload (:class:`QuestionStream`): questions the answerer was not trained on, the held-out rows of
+banking77 (:func:`models.faq_train.split_banking77`, 15%, seed 77; the CSV is read only here; the few
+held-out rows that repeat a training question are left out), in the
+merging workload's mix: 50% unique questions, 30% exact repeats of an earlier one, 20% light edits of
+one (:func:`pipeline.bench.merging.light_edit`). The held-out rows (~1500) run out after a few
+thousand requests; each later pass over them adds a customer's own detail (an order, card or ticket
+number, distinct per question), which the dedup guard treats as a different question, so a unique
+question keeps costing a model call, as in a real surge. Classes realtime:interactive:batch:offline
+1:4:4:1, tiers free:standard:premium 2:7:1 (free-tier interactive work is what level 3 may template).
+
+Steps: first L, questions/s of the FAQ answerer alone (embed + classify, batches of its own
+``max_batch_size``, in this process, one torch thread like the worker, on held-out questions, as
+``surge faq eval`` runs it). Then open loop, a plain aiokafka producer sending on a schedule
+whatever the replies do: 0.5 L for 30 s, 0.8 L for 60 s, 2 L for 60 s, 0.5 L for 60 s, then a drain.
+``--quick``: 5 s steps at a quarter of those rates.
+
+Measured: every reply record on the reply topic (a plain consumer on all partitions, not the one the
+pipeline uses), latency from ``created_at`` (the request's scheduled send time, so a sender that falls
+behind is not hidden) to the reply's arrival; the pipeline's consumer-group lag on its input topics
+every second (the backlog waiting in Kafka); the worker's
+``/metrics`` every 0.5 s (``surge_degradation_level``, ``requests_queue_depth``,
+``requests_in_queue_per_worker``) and the VmRSS of its process tree. Targets: see :func:`targets`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import sys
+import time
+import urllib.request
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.bench.common import (
+    BenchDeployment,
+    BenchEnv,
+    BenchError,
+    default_paths,
+    environment,
+    latency_summary,
+    scrape,
+    target,
+    write_json,
+)
+from pipeline.bench.merging import light_edit
+from pipeline.broker import EmbeddedKafka
+from pipeline.compat import refresh_metadata
+from pipeline.dedup import normalize
+from pipeline.kafka_security import client_options
+from pipeline.settings import PRIORITIES, Settings
+
+#: realtime:interactive:batch:offline
+CLASS_MIX: tuple[tuple[str, float], ...] = (("realtime", 1), ("interactive", 4), ("batch", 4), ("offline", 1))
+TIER_MIX: tuple[tuple[str, float], ...] = (("free", 2), ("standard", 7), ("premium", 1))
+UNIQUE_SHARE, REPEAT_SHARE = 0.5, 0.3  # the rest are light edits
+#: how a later pass over the held-out questions makes one a different customer's question
+DETAILS = (
+    "{q} My order number is {n}.",
+    "{q} (card ending {n})",
+    "Ticket {n}: {q}",
+    "{q} Reference {n}.",
+    "Account {n} here. {q}",
+)
+SCRAPE_INTERVAL_S = 0.5
+
+
+def _default_csv() -> Path:
+    here = Path(__file__).resolve().parents[2]  # the repository root
+    for base in (here.parent / "shared" / "data", Path("../shared/data")):
+        p = base / "banking77" / "train.csv"
+        if p.is_file():
+            return p
+    return here.parent / "shared" / "data" / "banking77" / "train.csv"
+
+
+def resolve_csv(banking77_csv: str | Path | None, scenario: str) -> Path:
+    """The banking77 ``train.csv``: given, ``SURGE_BENCH_BANKING77_CSV``, or ``../shared/data``."""
+    path = Path(banking77_csv or os.environ.get("SURGE_BENCH_BANKING77_CSV") or _default_csv())
+    if not path.is_file():
+        raise BenchError(
+            f"banking77 CSV not found at {str(path)!r} (absolute {path.absolute()}); the {scenario} "
+            "benchmark asks held-out banking77 questions: pass --data PATH (banking77_csv= to run_bench) "
+            "or set SURGE_BENCH_BANKING77_CSV"
+        )
+    return path
+
+
+# ---- workload ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Question:
+    text: str
+    intent: str
+    kind: str  # unique | repeat | edit
+    source: int | None  # index (in the stream) of the unique question a repeat or edit copies
+    tenant: str
+
+
+class QuestionStream:
+    """An endless stream of held-out questions in the merging workload's mix (see the module doc)."""
+
+    def __init__(
+        self,
+        rows: Sequence[tuple[str, str]],
+        seed: int = 9,
+        tenants: int = 1,
+        exclude: Iterable[str] = (),
+    ) -> None:
+        """``rows``: held-out (text, intent) pairs; ``exclude``: normalised texts the answerer was trained
+        on (a held-out row that repeats one of them is left out)."""
+        self.rng = random.Random(seed)
+        trained = set(exclude)
+        seen: set[str] = set()
+        self.excluded = 0
+        self.pool: list[tuple[str, str]] = []
+        for text, intent in rows:
+            key = normalize(text)
+            if key in trained:
+                self.excluded += 1
+            elif key and key not in seen:
+                seen.add(key)
+                self.pool.append((text, intent))
+        if len(self.pool) < 50:
+            raise BenchError(f"only {len(self.pool)} distinct held-out questions; at least 50 needed")
+        self.rng.shuffle(self.pool)
+        self.tenants = [f"t{i}" for i in range(tenants)] if tenants > 1 else ["default"]
+        self.items: list[Question] = []
+        self.unique_idx: list[int] = []
+        self.pool_taken = 0
+
+    def _new_unique(self) -> Question:
+        k = self.pool_taken
+        self.pool_taken += 1
+        text, intent = self.pool[k % len(self.pool)]
+        passes = k // len(self.pool)
+        if passes:
+            n = 1000 + (k * 7919) % 9000 if passes % 2 else 10000 + (k * 104729) % 90000
+            text = self.rng.choice(DETAILS).format(q=text, n=n)
+        tenant = self.tenants[len(self.unique_idx) % len(self.tenants)]
+        return Question(text, intent, "unique", None, tenant)
+
+    def next(self) -> Question:
+        r = self.rng.random()
+        if not self.unique_idx or r < UNIQUE_SHARE:
+            q = self._new_unique()
+            self.unique_idx.append(len(self.items))
+        else:
+            src = (
+                self.rng.choice(self.unique_idx[-300:])
+                if self.rng.random() < 0.7
+                else self.rng.choice(self.unique_idx)
+            )
+            base = self.items[src]
+            if r < UNIQUE_SHARE + REPEAT_SHARE:
+                q = Question(base.text, base.intent, "repeat", src, base.tenant)
+            else:
+                q = Question(light_edit(base.text, self.rng), base.intent, "edit", src, base.tenant)
+        self.items.append(q)
+        return q
+
+
+@dataclass
+class Population:
+    """Users per (tenant, tier), taken round robin so each user sends at an even pace below its rate."""
+
+    users: dict[str, int]
+    rng: random.Random = field(default_factory=lambda: random.Random(11))
+    _turn: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    @classmethod
+    def for_rate(cls, peak_rps: float, s: Settings) -> Population:
+        total = sum(w for _, w in TIER_MIX)
+        users = {}
+        for tier, w in TIER_MIX:
+            per_user = getattr(s, f"user_rate_per_s_{tier}")
+            # each user at most 40% of its rate at the peak, at least 4 users per tier
+            users[tier] = max(4, math.ceil(peak_rps * w / total / (0.4 * per_user)))
+        return cls(users)
+
+    def pick(self, tenant: str) -> tuple[str, str, str]:
+        """(tier, priority, user_id) of the next request of ``tenant``."""
+        tier = self.rng.choices([t for t, _ in TIER_MIX], [w for _, w in TIER_MIX])[0]
+        cls_ = self.rng.choices([c for c, _ in CLASS_MIX], [w for _, w in CLASS_MIX])[0]
+        k = self._turn.get((tenant, tier), 0)
+        self._turn[(tenant, tier)] = k + 1
+        return tier, cls_, f"{tenant}-{tier}-u{k % self.users[tier]}"
+
+
+def unseen_questions(csv_path: Path) -> tuple[list[tuple[str, str]], set[str]]:
+    """The held-out banking77 rows (the answerer's training split left them out) and the normalised
+    texts it was trained on (the training split and the project's own example questions)."""
+    from models.faq_train import intent_examples, split_banking77
+
+    train, holdout = split_banking77(csv_path, 0.15, 77)
+    return holdout, {normalize(t) for t, _ in [*train, *intent_examples()]}
+
+
+def tenants_for(peak_rps: float, s: Settings) -> int:
+    """Tenants needed so that no tenant's per-partition bucket sees more than half its rate at the peak,
+    allowing a 1.5x skew between partitions."""
+    return max(1, math.ceil(3.0 * peak_rps / s.tenant_rate_per_s))
+
+
+# ---- the model alone -----------------------------------------------------------------------------
+def measure_limit(texts: Sequence[str], batches: int) -> dict[str, Any]:
+    """Questions/s of the FAQ answerer alone on full batches (one warm-up batch first), one torch thread."""
+    import torch
+
+    from models.faq import FAQAnswerer
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        faq = FAQAnswerer()
+        faq.load()
+        size = faq.max_batch_size
+        need = size * (batches + 1)
+        pool = [texts[i % len(texts)] for i in range(need)]
+        faq.probabilities(pool[:size])
+        secs: list[float] = []
+        for b in range(1, batches + 1):
+            t0 = time.perf_counter()
+            faq.probabilities(pool[b * size : (b + 1) * size])
+            secs.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return {
+        "questions_per_s": round(size * batches / sum(secs), 2),
+        "batch_size": size,
+        "batches": batches,
+        "batch_seconds": [round(x, 3) for x in secs],
+        "torch_threads": 1,
+    }
+
+
+# ---- processes -----------------------------------------------------------------------------------
+def tree_rss_kb(pid: int) -> int | None:
+    """VmRSS of ``pid`` and its descendants, kB (None when it is gone)."""
+    total, seen, todo = 0, set(), [pid]
+    found = False
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+                    found = True
+                    break
+            for task in Path(f"/proc/{p}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    todo.extend(int(c) for c in (task / "children").read_text().split())
+        except (OSError, ValueError):
+            continue
+    return total if found else None
+
+
+def http_json(port: int, path: str, timeout_s: float = 1.0) -> str | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout_s) as r:
+            return r.read().decode()
+    except Exception:
+        return None
+
+
+@dataclass
+class Sample:
+    """One scrape of one worker."""
+
+    t: float  # wall clock, s
+    worker: str
+    up: bool
+    level: float | None = None
+    depth: dict[str, float] = field(default_factory=dict)
+    per_worker: float | None = None
+    rss_kb: int | None = None
+    assigned: int | None = None
+
+
+class Scraper:
+    """Scrapes ``/metrics`` (and ``/status`` when asked) of the workers ``targets()`` names, every 0.5 s."""
+
+    def __init__(
+        self, targets: Callable[[], Iterable[tuple[str, int, int | None]]], with_status: bool = False
+    ) -> None:
+        self.targets = targets  # (name, web port, pid or None)
+        self.with_status = with_status
+        self.samples: list[Sample] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def _one(self, name: str, port: int, pid: int | None) -> Sample:
+        t = time.time()
+        text = http_json(port, "/metrics")
+        s = Sample(t, name, text is not None, rss_kb=tree_rss_kb(pid) if pid else None)
+        if text is not None:
+            with contextlib.suppress(Exception):
+                m = scrape(text)
+                for (n, lab), v in m.items():
+                    if n == "surge_degradation_level":
+                        s.level = v
+                    elif n == "requests_in_queue_per_worker":
+                        s.per_worker = v
+                    elif n == "requests_queue_depth":
+                        s.depth[dict(lab).get("priority", "?")] = v
+        if self.with_status:
+            body = http_json(port, "/status")
+            if body is not None:
+                with contextlib.suppress(Exception):
+                    s.assigned = int(json.loads(body)["assigned"])
+        return s
+
+    async def _loop(self) -> None:
+        while True:
+            t0 = time.monotonic()
+            for name, port, pid in list(self.targets()):
+                self.samples.append(await asyncio.to_thread(self._one, name, port, pid))
+            await asyncio.sleep(max(0.05, SCRAPE_INTERVAL_S - (time.monotonic() - t0)))
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+class LagSampler:
+    """The pipeline's consumer-group lag (end offset minus committed offset) on its input topics (the
+    request topic and the four work topics), every second: the backlog that waits in Kafka, which the
+    workers' in-memory queue depth does not show."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        group: str,
+        topics: Sequence[str],
+        interval_s: float = 1.0,
+        security: dict[str, Any] | None = None,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.security = security or {}
+        self.group = group
+        self.topics = list(topics)
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, dict[str, int] | None]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _loop(self) -> None:
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+        from aiokafka.admin import AIOKafkaAdminClient
+
+        # committed offsets never go back; a group coordinator still loading after a broker restart
+        # answers without them, which must not read as a sudden backlog
+        done_at: dict[Any, int] = {}
+        while True:
+            admin = AIOKafkaAdminClient(
+                bootstrap_servers=self.bootstrap, request_timeout_ms=3000, **self.security
+            )
+            consumer = AIOKafkaConsumer(
+                bootstrap_servers=self.bootstrap, enable_auto_commit=False, **self.security
+            )
+            try:
+                await asyncio.wait_for(admin.start(), 5)
+                await asyncio.wait_for(consumer.start(), 5)
+                await refresh_metadata(consumer)
+                tps = [
+                    TopicPartition(t, p)
+                    for t in self.topics
+                    for p in sorted(consumer.partitions_for_topic(t) or ())
+                ]
+                while True:
+                    t0 = time.monotonic()
+                    committed = await asyncio.wait_for(admin.list_consumer_group_offsets(self.group), 3)
+                    ends = await asyncio.wait_for(consumer.end_offsets(tps), 3)
+                    lag: dict[str, int] = dict.fromkeys(self.topics, 0)
+                    for tp in tps:
+                        c = committed.get(tp)
+                        done = max(done_at.get(tp, 0), c.offset if c is not None and c.offset >= 0 else 0)
+                        done_at[tp] = done
+                        lag[tp.topic] += max(0, ends.get(tp, 0) - done)
+                    self.samples.append((time.time(), lag))
+                    await asyncio.sleep(max(0.05, self.interval_s - (time.monotonic() - t0)))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the broker restarting: note the gap and reconnect
+                self.samples.append((time.time(), None))
+                await asyncio.sleep(self.interval_s)
+            finally:
+                for c in (consumer, admin):
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(c.stop() if c is consumer else c.close(), 5)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def totals(self) -> list[tuple[float, int]]:
+        return [(t, sum(lag.values())) for t, lag in self.samples if lag is not None]
+
+
+def quiet_kafka_logs() -> None:
+    """aiokafka logs every reconnect attempt at ERROR; the benchmarks report what matters themselves."""
+    import logging
+
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+
+
+# ---- sending and reading -------------------------------------------------------------------------
+@dataclass
+class Sent:
+    rid: str
+    index: int  # position in the question stream
+    priority: str
+    tier: str
+    tenant: str
+    kind: str
+    created_ms: int
+    lag_ms: float  # how late against its schedule it was sent
+    step: str
+    partition: int | None = None
+    acked: bool | None = None  # None while the producer has not answered
+    produce_error: str | None = None
+
+
+@dataclass
+class Seen:
+    """One reply record as read off the reply topic."""
+
+    rid: str
+    recv: float  # wall clock, s
+    partition: int
+    offset: int
+    ts_ms: int  # the record's timestamp (when the worker produced it)
+    reply: dict[str, Any]
+
+
+class ReplyReader:
+    """A plain consumer (no group) on every partition of the reply topic, keeping every record."""
+
+    def __init__(self, bootstrap: str, topic: str, security: dict[str, Any] | None = None) -> None:
+        from aiokafka import AIOKafkaConsumer
+
+        self.topic = topic
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest",
+            fetch_max_wait_ms=50, **(security or {}),
+        )  # fmt: skip
+        self.seen: list[Seen] = []
+        self.by_rid: dict[str, list[Seen]] = defaultdict(list)
+        self.undecodable = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        from aiokafka import TopicPartition
+
+        await self.consumer.start()
+        parts: set[int] | None = None
+        for _ in range(100):
+            parts = self.consumer.partitions_for_topic(self.topic)
+            if parts:
+                break
+            await refresh_metadata(self.consumer)
+            await asyncio.sleep(0.1)
+        if not parts:
+            raise BenchError(f"reply topic {self.topic!r} does not exist")
+        tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
+        self.consumer.assign(tps)
+        await self.consumer.seek_to_end(*tps)
+        for tp in tps:
+            await self.consumer.position(tp)
+        self._task = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                batch = await self.consumer.getmany(timeout_ms=200)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the broker restarting: the consumer reconnects by itself
+                await asyncio.sleep(0.2)
+                continue
+            now = time.time()
+            for records in batch.values():
+                for m in records:
+                    try:
+                        reply = json.loads(m.value)
+                        rid = str(reply["request_id"])
+                    except Exception:
+                        self.undecodable += 1
+                        continue
+                    s = Seen(rid, now, m.partition, m.offset, int(m.timestamp or 0), reply)
+                    self.seen.append(s)
+                    self.by_rid[rid].append(s)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.consumer.stop(), 10)
+
+
+class Sender:
+    """An open-loop producer: sends each request at its scheduled time, whatever the replies do."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        stream: QuestionStream,
+        pop: Population,
+        security: dict[str, Any] | None = None,
+    ) -> None:
+        from aiokafka import AIOKafkaProducer
+
+        self.topic = topic
+        self.stream = stream
+        self.pop = pop
+        self.producer = AIOKafkaProducer(
+            bootstrap_servers=bootstrap, acks="all", linger_ms=5, request_timeout_ms=60_000,
+            max_request_size=8 << 20, **(security or {}),
+        )  # fmt: skip
+        self.sent: dict[str, Sent] = {}
+        self.order: list[Sent] = []
+        self._futs: list[asyncio.Future[Any]] = []
+
+    async def start(self) -> None:
+        await self.producer.start()
+
+    async def send_one(self, step: str, due_wall: float) -> Sent:
+        """Send the next question; ``created_at`` is its scheduled time (``due_wall``), so a sender that
+        falls behind (the broker away, say) shows up in the latency instead of hiding it."""
+        q = self.stream.next()
+        i = len(self.stream.items) - 1
+        tier, prio, user = self.pop.pick(q.tenant)
+        rid = f"q{i}"
+        created = int(due_wall * 1000)
+        lag_ms = max(0.0, (time.time() - due_wall) * 1000)
+        rec = Sent(rid, i, prio, tier, q.tenant, q.kind, created, lag_ms, step)
+        body = {
+            "request_id": rid, "user_id": user, "tenant": q.tenant, "tier": tier, "priority": prio,
+            "prompt": q.text, "created_at": created,
+        }  # fmt: skip
+        self.sent[rid] = rec
+        self.order.append(rec)
+        try:
+            fut = await self.producer.send(self.topic, json.dumps(body).encode(), key=user.encode())
+        except Exception as exc:
+            rec.acked, rec.produce_error = False, repr(exc)
+            return rec
+
+        def done(f: asyncio.Future[Any], rec: Sent = rec) -> None:
+            if f.cancelled():
+                rec.acked, rec.produce_error = False, "cancelled"
+            elif f.exception() is not None:
+                rec.acked, rec.produce_error = False, repr(f.exception())
+            else:
+                rec.acked, rec.partition = True, f.result().partition
+
+        fut.add_done_callback(done)
+        self._futs.append(fut)
+        return rec
+
+    async def run(
+        self, rate_per_s: float, duration_s: float, step: str, tick: Callable[[], None] | None = None
+    ) -> tuple[float, float]:
+        """Send at ``rate_per_s`` for ``duration_s``; returns (start, end) wall times."""
+        start_wall, start = time.time(), time.perf_counter()
+        n = max(1, round(rate_per_s * duration_s))
+        next_tick = start + 5.0
+        for i in range(n):
+            due = start + i / rate_per_s
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await self.send_one(step, start_wall + i / rate_per_s)
+            if tick is not None and time.perf_counter() >= next_tick:
+                next_tick += 5.0
+                tick()
+        end = start + duration_s
+        if (left := end - time.perf_counter()) > 0:
+            await asyncio.sleep(left)
+        return start_wall, start_wall + duration_s
+
+    async def run_until(
+        self, rate_per_s: float, stop: asyncio.Event, step: str, tick: Callable[[], None] | None = None
+    ) -> tuple[float, float]:
+        """Send at ``rate_per_s`` until ``stop`` is set; returns (start, end) wall times."""
+        start_wall, start = time.time(), time.perf_counter()
+        next_tick = start + 5.0
+        i = 0
+        while not stop.is_set():
+            delay = start + i / rate_per_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+                if stop.is_set():
+                    break
+            await self.send_one(step, start_wall + i / rate_per_s)
+            i += 1
+            if tick is not None and time.perf_counter() >= next_tick:
+                next_tick += 5.0
+                tick()
+        return start_wall, time.time()
+
+    async def flush(self, timeout_s: float = 90.0) -> None:
+        if self._futs:
+            await asyncio.wait(self._futs, timeout=timeout_s)
+
+    async def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.producer.stop(), 30)
+
+
+async def wait_answered(
+    sender: Sender, reader: ReplyReader, timeout_s: float, settle_s: float = 2.0
+) -> float:
+    """Wait until every acked request has a reply (then ``settle_s`` more for late repeats) or the
+    timeout; returns the seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if all(r.rid in reader.by_rid for r in sender.order if r.acked is not False):
+            break
+        await asyncio.sleep(0.25)
+    await asyncio.sleep(settle_s)
+    return time.monotonic() - t0
+
+
+# ---- analysis ------------------------------------------------------------------------------------
+def reply_code(reply: dict[str, Any]) -> str:
+    err = reply.get("error") or {}
+    return str(err.get("code") or "unknown")
+
+
+def is_template(reply: dict[str, Any]) -> bool:
+    return reply.get("served_from") == "template" or reply.get("finish_reason") == "template"
+
+
+def template_violation(reply: dict[str, Any], sent: Sent) -> str | None:
+    """Why a template reply was not allowed (DESIGN "Degradation"), or None when it was."""
+    if not is_template(reply):
+        return None
+    if sent.priority == "realtime":
+        return "realtime templated"
+    if sent.priority == "interactive" and sent.tier != "free":
+        return f"interactive {sent.tier}-tier templated"
+    if int(reply.get("degradation_level") or 0) < 3:
+        return f"template at level {reply.get('degradation_level')}"
+    return None
+
+
+def latency_ms(sent: Sent, seen: Seen) -> float:
+    return seen.recv * 1000 - sent.created_ms
+
+
+def class_summary(
+    recs: Sequence[Sent], by_rid: dict[str, list[Seen]], deadline_ms: int | None
+) -> dict[str, Any]:
+    """Counts, latencies and misses of a set of requests (one class of one step, say)."""
+    acked = [r for r in recs if r.acked is not False]
+    answered = [r for r in acked if r.rid in by_rid]
+    first = {r.rid: by_rid[r.rid][0] for r in answered}
+    ok = [r for r in answered if first[r.rid].reply.get("status") == "ok"]
+    templ = [r for r in ok if is_template(first[r.rid].reply)]
+    errors = Counter(
+        reply_code(first[r.rid].reply) for r in answered if first[r.rid].reply.get("status") != "ok"
+    )
+    served = Counter(str(first[r.rid].reply.get("served_from") or "none") for r in ok)
+    lat_all = [latency_ms(r, first[r.rid]) for r in answered]
+    lat_ok = [latency_ms(r, first[r.rid]) for r in ok]
+    expired = errors.get("deadline_exceeded", 0)
+    late = sum(1 for x in lat_ok if deadline_ms is not None and x > deadline_ms)
+    missing = len(acked) - len(answered)
+    misses = expired + late + missing
+    dup = sum(1 for r in answered if len(by_rid[r.rid]) > 1)
+    return {
+        "offered": len(recs), "produce_failed": len(recs) - len(acked), "answered": len(answered),
+        "missing": missing, "duplicated": dup, "ok": len(ok), "template": len(templ),
+        "errors": dict(errors), "served_from": dict(served), "deadline_ms": deadline_ms,
+        "deadline_exceeded": expired, "late_ok": late, "misses": misses,
+        "miss_rate": round(misses / len(acked), 4) if acked else None,
+        "latency_all": latency_summary(lat_all), "latency_ok": latency_summary(lat_ok),
+    }  # fmt: skip
+
+
+def exactly_once(recs: Sequence[Sent], by_rid: dict[str, list[Seen]]) -> dict[str, int]:
+    acked = [r for r in recs if r.acked is not False]
+    return {
+        "acked": len(acked),
+        "missing": sum(1 for r in acked if r.rid not in by_rid),
+        "duplicated": sum(1 for r in acked if len(by_rid.get(r.rid, ())) > 1),
+        "extra_replies": sum(max(0, len(by_rid.get(r.rid, ())) - 1) for r in acked),
+    }
+
+
+def settled_after(points: Sequence[tuple[float, bool]], t0: float) -> float | None:
+    """Seconds from ``t0`` until the condition holds at every later point; None if it does not at the end."""
+    after = [(t, ok) for t, ok in points if t >= t0]
+    if not after or not after[-1][1]:
+        return None
+    last_bad = max((t for t, ok in after if not ok), default=None)
+    if last_bad is None:
+        return 0.0
+    nxt = min(t for t, ok in after if t > last_bad)
+    return max(0.0, nxt - t0)
+
+
+def bins(values: Iterable[tuple[float, float]], t0: float, width: float = 1.0) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = defaultdict(list)
+    for t, v in values:
+        out[int((t - t0) // width)].append(v)
+    return out
+
+
+# ---- the run -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Step:
+    name: str
+    multiple: float  # of L
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    steps: tuple[Step, ...]
+    rate_scale: float
+    limit_batches: int
+    drain_s: float
+
+
+FULL = Plan(
+    (Step("0.5L", 0.5, 30), Step("0.8L", 0.8, 60), Step("2L", 2.0, 60), Step("0.5L-after", 0.5, 60)),
+    rate_scale=1.0, limit_batches=12, drain_s=60,
+)  # fmt: skip
+QUICK = Plan(
+    (Step("0.5L", 0.5, 5), Step("0.8L", 0.8, 5), Step("2L", 2.0, 5), Step("0.5L-after", 0.5, 5)),
+    rate_scale=0.25, limit_batches=3, drain_s=30,
+)  # fmt: skip
+
+
+def _progress(tag: str, sender: Sender, reader: ReplyReader, scraper: Scraper) -> Callable[[], None]:
+    def tick() -> None:
+        last = scraper.samples[-1] if scraper.samples else None
+        depth = sum(last.depth.values()) if last else None
+        rss = f"{last.rss_kb / 1024:.0f} MiB" if last and last.rss_kb else "?"
+        answered = sum(1 for r in sender.order if r.rid in reader.by_rid)
+        print(
+            f"  {tag}: sent {len(sender.order)}, answered {answered}, level "
+            f"{None if not last else last.level}, queue {depth}, rss {rss}",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+
+    return tick
+
+
+async def _drive(
+    d: BenchDeployment, plan: Plan, limit: float, stream: QuestionStream, pop: Population
+) -> dict[str, Any]:
+    from pipeline.admin import ensure_topics
+
+    await ensure_topics(d.settings())
+    quiet_kafka_logs()
+    worker = d.workers[0]
+    sec = client_options(d.settings())
+    reader = ReplyReader(d.bootstrap, d.topics.replies, sec)
+    sender = Sender(d.bootstrap, d.topics.requests, stream, pop, sec)
+    scraper = Scraper(lambda: [("w0", worker.web_port, worker.proc.pid if worker.proc else None)])
+    lag = LagSampler(
+        d.bootstrap, d.env["SURGE_APP_ID"], [d.topics.requests, *map(d.topics.work, PRIORITIES)], security=sec
+    )
+    await reader.start()
+    await sender.start()
+    scraper.start()
+    lag.start()
+    windows: list[dict[str, Any]] = []
+    try:
+        for st in plan.steps:
+            rate = st.multiple * limit * plan.rate_scale
+            print(f"surge: step {st.name}: {rate:.1f} req/s for {st.duration_s:.0f} s", file=sys.stderr)
+            t0, t1 = await sender.run(
+                rate, st.duration_s, st.name, _progress(st.name, sender, reader, scraper)
+            )
+            windows.append({"name": st.name, "multiple": st.multiple, "rate_rps": round(rate, 2),
+                            "start": t0, "end": t1, "duration_s": st.duration_s})  # fmt: skip
+        await sender.flush()
+        print(f"surge: draining (up to {plan.drain_s:.0f} s)", file=sys.stderr)
+        drained = await wait_answered(sender, reader, plan.drain_s)
+        # keep scraping a little past the drain so the level and queue can be seen settling
+        await asyncio.sleep(1.0)
+    finally:
+        await lag.stop()
+        await scraper.stop()
+        await sender.stop()
+        await reader.stop()
+    return {
+        "lag": lag,
+        "windows": windows,
+        "sender": sender,
+        "reader": reader,
+        "scraper": scraper,
+        "drain_waited_s": drained,
+    }
+
+
+def analyse(
+    run: dict[str, Any], limit: float, deadlines: dict[str, int | None]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    sender: Sender = run["sender"]
+    reader: ReplyReader = run["reader"]
+    samples: list[Sample] = run["scraper"].samples
+    lag_totals = run["lag"].totals()
+    windows: list[dict[str, Any]] = run["windows"]
+    by_rid = reader.by_rid
+    steps: dict[str, Any] = {}
+    for w in windows:
+        recs = [r for r in sender.order if r.step == w["name"]]
+        span = [s for s in samples if w["start"] <= s.t < w["end"]]
+        first_in = [
+            sender.sent[rid]
+            for rid, seen in by_rid.items()
+            if rid in sender.sent and w["start"] <= seen[0].recv < w["end"]
+        ]
+        useful = [
+            r for r in first_in
+            if by_rid[r.rid][0].reply.get("status") == "ok" and not is_template(by_rid[r.rid][0].reply)
+        ]  # fmt: skip
+        lags = [r.lag_ms for r in recs]
+        rss = [s.rss_kb for s in span if s.rss_kb]
+        steps[w["name"]] = {
+            "offered_rps": w["rate_rps"], "duration_s": w["duration_s"], "sent": len(recs),
+            "sender_lag_ms": {"p99": round(sorted(lags)[int(0.99 * (len(lags) - 1))], 1) if lags else None,
+                              "max": round(max(lags), 1) if lags else None},
+            "replies": exactly_once(recs, by_rid),
+            "answered_in_window_rps": round(len(first_in) / w["duration_s"], 2),
+            "useful_in_window_rps": round(len(useful) / w["duration_s"], 2),
+            "useful_unique_in_window_rps": round(sum(1 for r in useful if r.kind == "unique") / w["duration_s"], 2),
+            "classes": {
+                p: class_summary([r for r in recs if r.priority == p], by_rid, deadlines[p]) for p in PRIORITIES
+            },
+            "max_degradation_level": max((s.level for s in span if s.level is not None), default=None),
+            "max_queue_depth": max((sum(s.depth.values()) for s in span if s.depth), default=None),
+            "max_kafka_lag": max((v for t, v in lag_totals if w["start"] <= t < w["end"]), default=None),
+            "peak_rss_mib": round(max(rss) / 1024, 1) if rss else None,
+            "scrapes": len(span), "scrapes_failed": sum(1 for s in span if not s.up),
+        }  # fmt: skip
+    # templates: every reply record, repeats included
+    violations: Counter[str] = Counter()
+    templates = 0
+    examples: list[dict[str, Any]] = []
+    for seen in reader.seen:
+        rec = sender.sent.get(seen.rid)
+        if rec is None or not is_template(seen.reply):
+            continue
+        templates += 1
+        why = template_violation(seen.reply, rec)
+        if why:
+            violations[why] += 1
+            if len(examples) < 5:
+                examples.append({"request_id": seen.rid, "priority": rec.priority, "tier": rec.tier, "why": why,
+                                 "degradation_level": seen.reply.get("degradation_level")})  # fmt: skip
+    # recovery after the surge
+    surge = next((w for w in windows if w["multiple"] >= 1.5), None)
+    recovery: dict[str, Any] = {}
+    if surge is not None:
+        end = surge["end"]
+        level_pts = [(s.t, (s.level or 0) == 0) for s in samples if s.up and s.level is not None]
+        first_step = windows[0]
+        base = [
+            sum(s.depth.values())
+            for s in samples
+            if first_step["start"] <= s.t < first_step["end"] and s.depth
+        ]
+        depth_ok = max(8.0, max(base, default=0.0))
+        depth_pts = [(s.t, sum(s.depth.values()) <= depth_ok) for s in samples if s.up and s.depth]
+        lag_ok = max(
+            20.0, max((v for t, v in lag_totals if first_step["start"] <= t < first_step["end"]), default=0)
+        )
+        kafka_s = settled_after([(t, v <= lag_ok) for t, v in lag_totals], end)
+        before = [r for r in sender.order if r.created_ms / 1000 < end and r.acked is not False]
+        missing = [r for r in before if r.rid not in by_rid]
+        last_reply = max((by_rid[r.rid][0].recv for r in before if r.rid in by_rid), default=None)
+        replies_s = None if missing or last_reply is None else round(max(0.0, last_reply - end), 2)
+        queue_s = settled_after(depth_pts, end)
+        parts = (replies_s, queue_s, kafka_s)
+        recovery = {
+            "level_0_after_s": settled_after(level_pts, end),
+            "backlog_replies_drained_after_s": replies_s,
+            "backlog_queue_drained_after_s": None if queue_s is None else round(queue_s, 2),
+            "queue_depth_drained_at_most": depth_ok,
+            "backlog_kafka_drained_after_s": None if kafka_s is None else round(kafka_s, 2),
+            "kafka_lag_drained_at_most": lag_ok,
+            "backlog_drained_after_s": None if None in parts else round(max(parts), 2),  # type: ignore[type-var]
+            "requests_before_surge_end_unanswered": len(missing),
+        }
+        if recovery["level_0_after_s"] is not None:
+            recovery["level_0_after_s"] = round(recovery["level_0_after_s"], 2)
+    errs: Counter[str] = Counter(
+        f"{reply_code(by_rid[r.rid][0].reply)}/{r.tier}"
+        for r in sender.order
+        if r.rid in by_rid and by_rid[r.rid][0].reply.get("status") != "ok"
+    )
+    overall = exactly_once(sender.order, by_rid)
+    overall["unexpected_reply_records"] = sum(len(v) for k, v in by_rid.items() if k not in sender.sent)
+    overall["undecodable_reply_records"] = reader.undecodable
+    overall["produce_failed"] = sum(1 for r in sender.order if r.acked is False)
+    sustained = max((s["useful_in_window_rps"] for s in steps.values()), default=None)
+    result = {
+        "steps": steps,
+        "replies": overall,
+        "errors_by_code_and_tier": dict(errs),
+        "templates": {"replies": templates, "violations": dict(violations), "violation_examples": examples},
+        "recovery": recovery,
+        "max_sustained_useful_rps": sustained,
+        "max_sustained_useful_vs_limit": round(sustained / limit, 3) if sustained else None,
+        "kinds": dict(Counter(r.kind for r in sender.order)),
+        "served_from_overall": dict(
+            Counter(
+                str(v[0].reply.get("served_from") or v[0].reply.get("status"))
+                for k, v in by_rid.items()
+                if k in sender.sent
+            )
+        ),
+    }
+    return result, targets(result, windows, limit)
+
+
+def _step_of(
+    result: dict[str, Any], windows: list[dict[str, Any]], multiple: float, nth: int = 0
+) -> dict[str, Any] | None:
+    names = [w["name"] for w in windows if abs(w["multiple"] - multiple) < 1e-9]
+    return result["steps"].get(names[nth]) if len(names) > nth else None
+
+
+def targets(result: dict[str, Any], windows: list[dict[str, Any]], limit: float) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    s08 = _step_of(result, windows, 0.8)
+    s2 = _step_of(result, windows, 2.0)
+    s05a, s05b = _step_of(result, windows, 0.5, 0), _step_of(result, windows, 0.5, 1)
+    if s08:
+        errs = sum(sum(c["errors"].values()) for c in s08["classes"].values())
+        out.append(target("0.8L error replies", float(errs), "<=", 0.0))
+        out.append(
+            target("0.8L realtime p99 ms", s08["classes"]["realtime"]["latency_ok"]["p99_ms"], "<=", 200.0)
+        )
+        out.append(
+            target(
+                "0.8L interactive p99 ms", s08["classes"]["interactive"]["latency_ok"]["p99_ms"], "<=", 500.0
+            )
+        )
+    out.append(
+        target("max sustained useful throughput / L", result["max_sustained_useful_vs_limit"], ">=", 0.8)
+    )
+    if s2:
+        r = s2["replies"]
+        out.append(
+            target("2L requests without exactly one reply", float(r["missing"] + r["duplicated"]), "<=", 0.0)
+        )
+        out.append(target("2L realtime miss rate", s2["classes"]["realtime"]["miss_rate"], "<=", 0.01))
+        out.append(target("2L interactive miss rate", s2["classes"]["interactive"]["miss_rate"], "<=", 0.05))
+    out.append(
+        target(
+            "templates where levels forbid them",
+            float(sum(result["templates"]["violations"].values())),
+            "<=",
+            0.0,
+        )
+    )
+    rec = result["recovery"]
+    out.append(target("level 0 after the surge, s", rec.get("level_0_after_s"), "<=", 30.0))
+    out.append(target("backlog drained after the surge, s", rec.get("backlog_drained_after_s"), "<=", 60.0))
+    if s05a and s05b and s05a["peak_rss_mib"] and s05b["peak_rss_mib"]:
+        drift = abs(s05b["peak_rss_mib"] / s05a["peak_rss_mib"] - 1)
+        result["rss_drift_second_vs_first_half_L"] = round(drift, 4)
+        out.append(target("peak RSS drift, second 0.5L step vs first", drift, "<=", 0.10))
+    else:
+        out.append(target("peak RSS drift, second 0.5L step vs first", None, "<=", 0.10))
+    return out  # fmt: skip
+
+
+# ---- plot ----------------------------------------------------------------------------------------
+CLASS_COLORS = {"realtime": "#e53e3e", "interactive": "#dd6b20", "batch": "#2b6cb0", "offline": "#718096"}
+
+
+def timeline_plot(
+    path: Path,
+    title: str,
+    sender: Sender,
+    reader: ReplyReader,
+    samples: Sequence[Sample],
+    t0: float,
+    marks: Sequence[tuple[float, str]] = (),
+    spans: Sequence[tuple[float, float]] = (),
+    deadlines: dict[str, int | None] | None = None,
+    with_assigned: bool = False,
+    lag: Sequence[tuple[float, int]] = (),
+) -> None:
+    """Rates, latency per class, queue depth, degradation level and RSS (or assigned partitions) over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = 5
+    fig, ax = plt.subplots(rows, 1, figsize=(11, 2.3 * rows), sharex=True)
+    sent_b = bins(((r.created_ms / 1000, 1.0) for r in sender.order), t0)
+    first = {rid: v[0] for rid, v in reader.by_rid.items() if rid in sender.sent}
+    rep_b = bins(((s.recv, 1.0) for s in first.values()), t0)
+    dup_b = bins(
+        (
+            (v[k].recv, 1.0)
+            for rid, v in reader.by_rid.items()
+            if rid in sender.sent
+            for k in range(1, len(v))
+        ),
+        t0,
+    )
+    xs = range(0, max([*sent_b, *rep_b, 0]) + 1)
+    ax[0].plot(list(xs), [len(sent_b.get(x, ())) for x in xs], label="sent/s", color="#2b6cb0")
+    ax[0].plot(list(xs), [len(rep_b.get(x, ())) for x in xs], label="first replies/s", color="#38a169")
+    if dup_b:
+        ax[0].plot(list(xs), [len(dup_b.get(x, ())) for x in xs], label="repeated replies/s", color="#e53e3e")
+    ax[0].set_ylabel("req/s")
+    ax[0].legend(fontsize=7, loc="upper left")
+    for p in PRIORITIES:
+        lat = bins(((r.created_ms / 1000, latency_ms(r, first[r.rid])) for r in sender.order
+                    if r.priority == p and r.rid in first), t0)  # fmt: skip
+        ks = sorted(lat)
+        ax[1].plot(
+            ks,
+            [sorted(lat[k])[len(lat[k]) // 2] for k in ks],
+            color=CLASS_COLORS[p],
+            lw=0.8,
+            label=f"{p} p50",
+        )
+        ax[1].plot(ks, [max(lat[k]) for k in ks], color=CLASS_COLORS[p], lw=0.5, ls=":", label=f"{p} max")
+        if deadlines and deadlines.get(p):
+            ax[1].axhline(deadlines[p], color=CLASS_COLORS[p], lw=0.5, ls="--")
+    ax[1].set_yscale("log")
+    ax[1].set_ylabel("latency ms (by send time)")
+    ax[1].legend(fontsize=6, ncol=4, loc="upper left")
+    workers = sorted({s.worker for s in samples})
+    for w in workers:
+        ws = [s for s in samples if s.worker == w and s.up]
+        tag = f" {w}" if len(workers) > 1 else ""
+        for p in PRIORITIES:
+            ax[2].plot([s.t - t0 for s in ws], [s.depth.get(p, 0) for s in ws], color=CLASS_COLORS[p], lw=0.8,
+                       label=f"{p}{tag}" if w == workers[0] else None)  # fmt: skip
+        ax[2].plot([s.t - t0 for s in ws], [s.per_worker or 0 for s in ws], color="black", lw=0.6, ls="--",
+                   label="in queue per worker" if w == workers[0] else None)  # fmt: skip
+        ax[3].step([s.t - t0 for s in ws], [s.level or 0 for s in ws], where="post", label=w)
+        if with_assigned:
+            ax[4].step([s.t - t0 for s in samples if s.worker == w],
+                       [(s.assigned or 0) if s.up else 0 for s in samples if s.worker == w], where="post", label=w)  # fmt: skip
+        else:
+            ax[4].plot([s.t - t0 for s in ws if s.rss_kb], [s.rss_kb / 1024 for s in ws if s.rss_kb], label=w)
+    ax[2].set_ylabel("in-memory queue depth")
+    ax[2].legend(fontsize=6, ncol=3, loc="upper left")
+    if lag:
+        twin = ax[2].twinx()
+        twin.plot([t - t0 for t, _ in lag], [v for _, v in lag], color="#805ad5", lw=1.0)
+        twin.set_ylabel("Kafka lag (purple)", fontsize=8)
+    ax[3].set_ylabel("degradation level")
+    ax[3].set_ylim(-0.2, 3.3)
+    ax[4].set_ylabel("assigned partitions" if with_assigned else "worker RSS MiB")
+    if len(workers) > 1:
+        ax[3].legend(fontsize=6, loc="upper left")
+        ax[4].legend(fontsize=6, loc="upper left")
+    ax[-1].set_xlabel("seconds")
+    for a in ax:
+        for t, _ in marks:
+            a.axvline(t - t0, color="grey", lw=0.7, ls="--")
+        for s0, s1 in spans:
+            a.axvspan(s0 - t0, s1 - t0, color="#fbd38d", alpha=0.25)
+    for t, label in marks:
+        ax[0].annotate(label, (t - t0, ax[0].get_ylim()[1]), fontsize=7, rotation=90, va="top", ha="right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def report(scenario: str, result: dict[str, Any], json_path: str | Path | None, plot_path: str | Path | None,
+           plot: Callable[[Path], None]) -> int:  # fmt: skip
+    """Write the JSON and the plot, print the targets; 0 (the JSON says which targets were missed)."""
+    jp, pp = default_paths(scenario, json_path, plot_path)
+    result = {"scenario": scenario, **result, "environment": environment(), "plot": str(pp)}
+    write_json(jp, result)
+    plot(pp)
+    print(f"\n{scenario}: JSON {jp}, plot {pp}", file=sys.stderr)
+    for t in result.get("targets", []):
+        state = "met" if t["met"] else f"MISSED by {t['missed_by']}"
+        print(f"  target {t['name']}: {t['value']} (goal {t['goal']}) {state}", file=sys.stderr)
+    return 0
+
+
+def default_path_env(s: Settings) -> dict[str, Any]:
+    """The settings of the default path that the scenarios state (rates, levels, deadlines)."""
+    return {
+        "model": s.model, "dedup_enabled": s.dedup_enabled, "cache_enabled": s.cache_enabled,
+        "rate_limit_enabled": s.rate_limit_enabled, "degrade_enabled": s.degrade_enabled,
+        "partitions": s.partitions, "max_batch_size": s.max_batch_size,
+        "deadlines_ms": {p: s.deadline_ms(p) for p in PRIORITIES},
+        "user_rate_per_s": {t: getattr(s, f"user_rate_per_s_{t}") for t, _ in TIER_MIX},
+        "tenant_rate_per_s": s.tenant_rate_per_s, "session_timeout_s": s.session_timeout_s,
+    }  # fmt: skip
+
+
+#: what the scenarios turn back on over BASE_ENV (which switches rate limits and degradation off)
+DEFAULT_PATH = {"model": "faq", "rate_limit_enabled": True, "degrade_enabled": True,
+                "dedup_enabled": True, "cache_enabled": True}  # fmt: skip
+
+
+def run(
+    *,
+    quick: bool = False,
+    json_path: str | Path | None = None,
+    plot_path: str | Path | None = None,
+    broker: EmbeddedKafka | None = None,
+    banking77_csv: str | Path | None = None,
+) -> int:
+    plan = QUICK if quick else FULL
+    csv_path = resolve_csv(banking77_csv, "surge")
+    holdout, trained = unseen_questions(csv_path)
+    with BenchEnv("surge", broker=broker) as env:
+        d = env.deployment("surge", **DEFAULT_PATH)
+        startup_s = env.wait_ready([d])
+        s = d.settings()
+        print("surge: measuring the model alone (L) ...", file=sys.stderr)
+        lim = measure_limit([t for t, _ in holdout], plan.limit_batches)
+        limit = lim["questions_per_s"]
+        peak = max(st.multiple for st in plan.steps) * limit * plan.rate_scale
+        stream = QuestionStream(holdout, tenants=tenants_for(peak, s), exclude=trained)
+        pop = Population.for_rate(peak, s)
+        print(f"surge: L = {limit:.1f} questions/s; peak offered {peak:.1f} req/s", file=sys.stderr)
+        deadlines = {p: s.deadline_ms(p) for p in PRIORITIES}
+        run_ = asyncio.run(_drive(d, plan, limit, stream, pop))
+        worker_log_tail = d.workers[0].tail(1500)
+    result, tg = analyse(run_, limit, deadlines)
+    windows = run_["windows"]
+    t0 = windows[0]["start"]
+    out = {
+        "quick": quick,
+        "plan": {"steps": [st.__dict__ for st in plan.steps], "rate_scale": plan.rate_scale, "drain_s": plan.drain_s},
+        "limit": lim,
+        "limit_rps": limit,
+        "settings": default_path_env(s),
+        "workload": {
+            "csv": str(csv_path), "holdout_rows": len(holdout), "distinct_holdout_questions": len(stream.pool),
+            "holdout_rows_left_out_as_seen_in_training": stream.excluded,
+            "class_mix": dict(CLASS_MIX), "tier_mix": dict(TIER_MIX), "tenants": len(stream.tenants),
+            "users_per_tier": pop.users, "unique_share": UNIQUE_SHARE, "repeat_share": REPEAT_SHARE,
+            "passes_over_holdout": round(stream.pool_taken / len(stream.pool), 2),
+        },
+        "worker_startup_s": round(startup_s, 1),
+        "drain_waited_s": round(run_["drain_waited_s"], 1),
+        "windows": [{k: (round(v - t0, 2) if k in ("start", "end") else v) for k, v in w.items()} for w in windows],
+        **result,
+        "targets": tg,
+        "notes": (
+            "latency: created_at (the scheduled send time) to the reply read off the reply topic. misses: deadline_exceeded "
+            "replies + ok replies after the class deadline + requests without a reply (offline has no deadline). "
+            "useful throughput: distinct requests whose first reply (ok, not a template) arrived during the step, "
+            "per second of the step; the max over steps is compared with L. backlog drained: every request sent "
+            "before the end of the 2L step answered, and the in-memory queue back under the first step's peak "
+            "(at least 8) and the pipeline's consumer-group lag on its input topics back under the first step's peak "
+            "(at least 20). RSS: the worker process tree's VmRSS, scraped every 0.5 s."
+        ),
+        "worker_log_tail": worker_log_tail if result["replies"]["missing"] else None,
+    }  # fmt: skip
+
+    def plot(pp: Path) -> None:
+        timeline_plot(
+            pp, f"surge bench surge{' (quick)' if quick else ''}: L = {limit:.0f} q/s",
+            run_["sender"], run_["reader"], run_["scraper"].samples, t0,
+            marks=[(w["start"], f"{w['name']} {w['rate_rps']:.0f}/s") for w in windows],
+            deadlines=deadlines, lag=run_["lag"].totals(),
+        )  # fmt: skip
+
+    return report("surge", out, json_path, plot_path, plot)
