@@ -34,7 +34,7 @@ TIER_ORDER: tuple[str, ...] = tuple(reversed(TIERS))
 DEFAULT_TIER = "standard"
 DEFAULT_MAX_PRIORITY = "interactive"
 DEFAULT_TENANT = "default"
-#: longest user_id of a record (DESIGN.md "Records": string 1-128)
+#: longest user_id of a record (docs/architecture.md, "Records": string 1-128)
 MAX_USER_ID_CHARS = 128
 #: a tenant name: no ``/`` (the separator of :func:`tenant_user_id`) and no ``:`` or ``,`` (the list form)
 TENANT_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")

@@ -40,7 +40,7 @@ class BatchObserver:
 
 class AsyncBatcher:
     """Wraps a :class:`Scheduler` for one event loop: producers ``put``, one consumer awaits
-    ``next_batch``, readers of the work topics await ``wait_admit`` before each read.
+    ``next_batch``, and a reader that admits by the queue alone awaits ``wait_admit``.
 
     Counters (plain attributes, cumulative since construction): ``batches``, ``items_flushed``,
     ``expired``, ``demoted``, ``wait_ms_total``, ``wait_ms_max``, ``fill_ratio_total`` (sum of
@@ -101,7 +101,9 @@ class AsyncBatcher:
                 pass
 
     async def wait_admit(self, priority: Priority) -> None:
-        """Return once ``can_admit(priority)`` holds; called by a work-topic reader before each read.
+        """Return once the scheduler's ``can_admit(priority)`` holds, for a reader that admits by the
+        queue alone (the inference agent's readers wait on their own rule, which also counts items
+        still being embedded).
 
         Woken whenever items leave the queue (the only event that can turn it from False to True).
         """

@@ -1,4 +1,4 @@
-"""Failure isolation for one model call (DESIGN.md "The path of a request", step 2).
+"""Failure isolation for one model call (docs/architecture.md, "The path of a request", inference).
 
 :func:`run_isolated` runs a batch through a model so that one bad request cannot fail its
 batch-mates: transient errors are retried with exponential backoff (tenacity); any other failure of a

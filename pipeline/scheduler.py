@@ -8,8 +8,8 @@ epoch milliseconds from an injectable clock, so tests drive it with a fake one.
 The life of an item (modelled on vLLM v1's scheduler: the engine loop calls in, the scheduler never
 calls out):
 
-1. a work-topic reader of the inference agent asks ``can_admit(priority)`` before it reads more
-   from that class's work topic;
+1. a reader asks ``can_admit(priority)`` before it takes more of that class (the inference agent
+   applies the same rule over its whole worker, its embedding backlog included);
 2. ``offer(item)`` when a work item arrives (raises ``OverloadedError`` when its class is full);
 3. the batch loop asks ``ready(now)`` / ``flush_at_ms()`` to know when the window closes;
 4. ``pop_batch(now)`` takes the batch (and hands back items whose deadline passed);
@@ -482,7 +482,7 @@ class Scheduler:
         self._push(item)
 
     def can_admit(self, priority: Priority) -> bool:
-        """Whether the agent may read more from ``priority``'s topic; called before each read.
+        """Whether a reader may take more of ``priority``, as far as this queue can tell.
 
         True only when that class is below its limit and (under EDF) no higher class has items
         waiting: a lower class is read only while the higher ones are empty.

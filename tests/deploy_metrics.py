@@ -1,9 +1,9 @@
-"""Metric names that `deploy/` refers to, and the names DESIGN.md promises.
+"""Metric names that `deploy/` refers to, and the names docs/architecture.md documents.
 
 The dashboard, the alert rules, the HPA and the prometheus-adapter rule all name metrics by string; a
 renamed metric in the code silently empties a panel or disables an alert. These helpers pull every
-referenced name out of those files so that tests can hold them against DESIGN.md ("Metrics") and
-against a live `/metrics` scrape of a worker.
+referenced name out of those files so that tests can hold them against docs/architecture.md
+("Metrics") and against a live `/metrics` scrape of a worker.
 
 Called by tests only (tests/test_deploy.py, and the live scrape test).
 """
@@ -23,9 +23,11 @@ DASHBOARD: Path = DEPLOY_DIR / "grafana" / "dashboards" / "surge.json"
 ALERTS: Path = DEPLOY_DIR / "prometheus" / "alerts.yaml"
 HPA: Path = DEPLOY_DIR / "k8s" / "hpa.yaml"
 ADAPTER_VALUES: Path = DEPLOY_DIR / "k8s" / "prometheus-adapter-values.yaml"
+ARCHITECTURE: Path = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
-#: DESIGN.md "Metrics", in exposition form (what a scrape of /metrics shows, before the
-#: `_bucket`/`_sum`/`_count` series of histograms), with the metric type.
+#: The metrics deploy/ relies on (each documented in docs/architecture.md, "Metrics"), in exposition
+#: form (what a scrape of /metrics shows, before the `_bucket`/`_sum`/`_count` series of
+#: histograms), with the metric type.
 DESIGN_METRICS: dict[str, str] = {
     "model_inference_latency": "histogram",
     "gpu_utilization": "gauge",
@@ -42,6 +44,14 @@ DESIGN_METRICS: dict[str, str] = {
     "surge_rate_limited_total": "counter",
     "surge_deadletter_total": "counter",
 }
+
+
+def documented_metrics() -> dict[str, str]:
+    """``{name: type}`` of the table in docs/architecture.md, "Metrics"."""
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    section = text.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    return dict(re.findall(r"^\|\s*`(\w+)`\s*\|\s*(\w+)", section, flags=re.MULTILINE))
+
 
 #: Metrics that deploy/ reads from other exporters, and which exporter provides each.
 EXTERNAL_METRICS: dict[str, str] = {

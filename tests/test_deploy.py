@@ -1,5 +1,5 @@
 """Checks of deploy/: every file parses, the Kubernetes manifests match the Kubernetes API schemas,
-the files agree with each other (ports, topics, images, metric names) and with DESIGN.md.
+the files agree with each other (ports, topics, images, metric names) and with docs/architecture.md.
 
 No cluster, Docker or broker is needed. The Kubernetes schemas are the typed models of the official
 Python client (`kubernetes` on PyPI, pydantic models with unknown fields forbidden and strict types).
@@ -30,6 +30,7 @@ from tests.deploy_metrics import (
     dashboard_exprs,
     deploy_metric_names,
     deploy_metric_references,
+    documented_metrics,
     external_metric_references,
     hpa_metric_names,
     promql_metric_names,
@@ -42,7 +43,7 @@ PROMETHEUS = DEPLOY_DIR / "prometheus" / "prometheus.yml"
 ALERTS = DEPLOY_DIR / "prometheus" / "alerts.yaml"
 #: YAML files under deploy/k8s that are not Kubernetes objects.
 K8S_NON_MANIFESTS = {K8S / "kustomization.yaml", ADAPTER_VALUES}
-#: DESIGN.md "Topics", without the prefix (changelog topics are Faust's).
+#: docs/architecture.md, "Topics", without the prefix (changelog topics are Faust's).
 DESIGN_TOPICS = {
     "requests",
     "work.realtime",
@@ -600,16 +601,6 @@ def test_histogram_series_are_read_only_from_histograms() -> None:
                 )
 
 
-def _design_md() -> Path | None:
-    for candidate in (REPO / "DESIGN.md", REPO.parent / "shared" / "DESIGN.md"):
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-@pytest.mark.skipif(_design_md() is None, reason="DESIGN.md is not beside the repository")
-def test_design_metrics_table_matches_the_helper() -> None:
-    text = _design_md().read_text(encoding="utf-8")  # type: ignore[union-attr]
-    section = text.split("## Metrics", 1)[1].split("\n## ", 1)[0]
-    table = dict(re.findall(r"^\|\s*`(\w+)`\s*\|\s*(\w+)", section, flags=re.MULTILINE))
-    assert table == DESIGN_METRICS
+def test_every_metric_deploy_relies_on_is_documented_with_its_type() -> None:
+    documented = documented_metrics()
+    assert {name: documented.get(name) for name in DESIGN_METRICS} == DESIGN_METRICS

@@ -1,4 +1,5 @@
-"""Unit tests of pipeline.records: the request rules of DESIGN.md "Records", salvage, dead letters."""
+"""Unit tests of pipeline.records: the request rules (docs/architecture.md, "Records"), salvage, dead
+letters."""
 
 from __future__ import annotations
 
