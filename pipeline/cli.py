@@ -30,8 +30,14 @@ def cmd_kafka(args: argparse.Namespace) -> int:
             print(f"already running: pid {state.pid}, bootstrap {state.bootstrap}")
             return 0
         s = _settings()
-        k = EmbeddedKafka(data_dir, cache_dir=s.kafka_cache_dir, version=s.kafka_version, port=args.port,
-                          heap_mb=s.kafka_heap_mb, partitions=s.partitions)  # fmt: skip
+        k = EmbeddedKafka(
+            data_dir,
+            cache_dir=s.kafka_cache_dir,
+            version=s.kafka_version,
+            port=args.port,
+            heap_mb=s.kafka_heap_mb,
+            partitions=s.partitions,
+        )
         state = k.start()
         print(f"Kafka {s.kafka_version} running: pid {state.pid}, bootstrap {state.bootstrap}")
         print(f"export SURGE_BROKER=kafka://{state.bootstrap}")
@@ -84,9 +90,14 @@ def cmd_send(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         req = {
-            "request_id": args.request_id or uuid.uuid4().hex, "user_id": args.user, "tenant": args.tenant,
-            "tier": args.tier, "priority": args.priority, "prompt": args.prompt, "max_tokens": args.max_tokens,
-        }  # fmt: skip
+            "request_id": args.request_id or uuid.uuid4().hex,
+            "user_id": args.user,
+            "tenant": args.tenant,
+            "tier": args.tier,
+            "priority": args.priority,
+            "prompt": args.prompt,
+            "max_tokens": args.max_tokens,
+        }
         async with SurgeClient(
             s.bootstrap_servers, requests_topic=t.requests, reply_topic=t.replies, security=client_options(s)
         ) as c:
@@ -110,9 +121,12 @@ def cmd_tail(args: argparse.Namespace) -> int:
             print(r.model_dump_json(exclude_none=True), flush=True)  # type: ignore[attr-defined]
 
         async with SurgeClient(
-            s.bootstrap_servers, reply_topic=topic, on_reply=show, from_beginning=args.from_beginning,
+            s.bootstrap_servers,
+            reply_topic=topic,
+            on_reply=show,
+            from_beginning=args.from_beginning,
             security=client_options(s),
-        ):  # fmt: skip
+        ):
             await asyncio.Event().wait()
 
     try:

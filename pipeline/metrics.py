@@ -65,46 +65,56 @@ def create_metrics(registry: CollectorRegistry | None = None) -> Metrics:
     r = registry if registry is not None else CollectorRegistry()
     m = Metrics(
         model_inference_latency=Histogram(
-            "model_inference_latency", "Seconds of one model call", ["model_version"],
-            buckets=LATENCY_BUCKETS_S, registry=r,
+            "model_inference_latency",
+            "Seconds of one model call",
+            ["model_version"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
         ),
         gpu_utilization=Gauge("gpu_utilization", "GPU utilisation, percent", ["device_id"], registry=r),
         requests_queue_depth=Gauge(
             "requests_queue_depth", "Items waiting in the inference queue", ["priority"], registry=r
         ),
         requests_in_queue_per_worker=Gauge(
-            "requests_in_queue_per_worker", "Items waiting in this worker's queue (the HPA signal)", registry=r
+            "requests_in_queue_per_worker",
+            "Items waiting in this worker's queue (the HPA signal)",
+            registry=r,
         ),
-        requests=Counter(
-            "surge_requests", "Replies sent", ["priority", "status", "served_from"], registry=r
-        ),
+        requests=Counter("surge_requests", "Replies sent", ["priority", "status", "served_from"], registry=r),
         request_latency=Histogram(
-            "surge_request_latency_seconds", "Seconds from created_at to reply", ["priority"],
-            buckets=REQUEST_LATENCY_BUCKETS_S, registry=r,
+            "surge_request_latency_seconds",
+            "Seconds from created_at to reply",
+            ["priority"],
+            buckets=REQUEST_LATENCY_BUCKETS_S,
+            registry=r,
         ),
         deadline_missed=Counter(
             "surge_deadline_missed", "Requests that missed their deadline", ["priority"], registry=r
         ),
-        batch_size=Histogram("surge_batch_size", "Items per model call", buckets=BATCH_SIZE_BUCKETS, registry=r),
+        batch_size=Histogram(
+            "surge_batch_size", "Items per model call", buckets=BATCH_SIZE_BUCKETS, registry=r
+        ),
         batch_fill_ratio=Histogram(
             "surge_batch_fill_ratio", "Batch size / batch limit at flush", buckets=FILL_BUCKETS, registry=r
         ),
-        cache_lookups=Counter(
-            "surge_cache_lookups", "Answer cache lookups", ["layer", "result"], registry=r
-        ),
+        cache_lookups=Counter("surge_cache_lookups", "Answer cache lookups", ["layer", "result"], registry=r),
         merged=Counter("surge_merged", "Requests answered by another request's model call", registry=r),
         degradation_level=Gauge("surge_degradation_level", "Current degradation level 0-3", registry=r),
-        rate_limited=Counter("surge_rate_limited", "Requests refused by a token bucket", ["scope"], registry=r),
+        rate_limited=Counter(
+            "surge_rate_limited", "Requests refused by a token bucket", ["scope"], registry=r
+        ),
         deadletter=Counter("surge_deadletter", "Dead-letter records written", ["reason"], registry=r),
         replies_repeated=Counter(
             "surge_replies_repeated", "Recorded replies sent again for a request read again", registry=r
         ),
         embed_batch_size=Histogram(
-            "surge_embed_batch_size", "Questions per embedding call", registry=r,
+            "surge_embed_batch_size",
+            "Questions per embedding call",
+            registry=r,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
         ),
         registry=r,
-    )  # fmt: skip
+    )
     # children for the fixed label values, so that rates and alerts see zeros instead of nothing
     for priority in PRIORITIES:
         m.deadline_missed.labels(priority=priority)
