@@ -46,6 +46,9 @@ from pipeline.terms import PRIORITIES, RANK, Priority, Tier
 
 log = logging.getLogger("surge.inference")
 
+#: the level-3 answer when the template model has none
+BUSY_FALLBACK = "We are very busy right now; please try again shortly."
+
 
 def decode_work_item(event: EventT) -> WorkItem:
     """The WorkItem in a work-topic record, or :class:`WorkItemError`."""
@@ -105,6 +108,7 @@ class Inference:
         self.misses = MissRateWindow()
         self.model_pool = ThreadPoolExecutor(1, thread_name_prefix="surge-model")
         self.embed_pool = ThreadPoolExecutor(1, thread_name_prefix="surge-embed")
+        self.template_pool = ThreadPoolExecutor(1, thread_name_prefix="surge-template")
         self.retry = RetryPolicy()
         self.replies = ReplyWriter(rt, model)
         self.replies.on_answered = self._answered
@@ -197,14 +201,16 @@ class Inference:
         s = self.rt.settings
         if self.stopping:
             return False
-        if sum(len(q) for q in self._arrivals.values()) >= s.embed_queue_limit:
-            return False
         if self.waiting(priority) >= s.queue_limit_per_class:
             return False
-        if s.queue_policy == "edf":
-            rank = RANK[priority]
-            return not any(self.waiting(p) for p in PRIORITIES[:rank])
-        return True
+        if s.queue_policy != "edf":
+            return sum(len(q) for q in self._arrivals.values()) < s.embed_queue_limit
+        # strict priority: a class is read only while no higher class has anything waiting, and
+        # lower classes' embedding backlog never holds a higher class back
+        rank = RANK[priority]
+        if any(self.waiting(p) for p in PRIORITIES[:rank]):
+            return False
+        return len(self._arrivals[priority]) < s.embed_queue_limit
 
     async def _wait_admit(self, priority: str) -> None:
         while not self.can_admit(priority):
@@ -239,9 +245,9 @@ class Inference:
             return
         self._inflight[key] = pending
         p = self._plan(pending)
-        if p.use_template and self.template_model is not None:
-            await self.replies.send([Outcome(pending, self._template(pending), "template")])
-            return
+        # a template is answered after the embedding stage: from the cache when it can, else from
+        # the template model with the item's vector, in a batch, off the event loop
+        pending.template = p.use_template and self.template_model is not None
         self._arrivals[priority].append(pending)
         self._arrived.set()
 
@@ -331,13 +337,16 @@ class Inference:
                         if self.use_vectors:
                             items[i].inp = replace(items[i].inp, vector=vecs[row])
             done: list[Outcome] = []
+            templated: list[Pending] = []
             for it in items:
                 try:
                     with event_context(it.event):
-                        self._route(it, done)
+                        self._route(it, done, templated)
                 except Exception as exc:
                     log.exception("routing %s failed", it.req_id)
                     done.append(Outcome.error(it, SurgeError(f"internal error: {type(exc).__name__}")))
+            if templated:
+                done += await self._templates(templated)
             self._room.set()
             if done:
                 await self.replies.send(done, batch_size=0)
@@ -347,7 +356,7 @@ class Inference:
             self.embedder is None or is_embeddable(it.inp.text, self.embedder.multilingual)
         )
 
-    def _route(self, it: Pending, done: list[Outcome]) -> None:
+    def _route(self, it: Pending, done: list[Outcome], templated: list[Pending]) -> None:
         s, m = self.rt.settings, self.rt.metrics
         req = it.work.request
         if s.cache_enabled and req.cache and self.cache is not None:
@@ -366,6 +375,9 @@ class Inference:
                 out = ModelOutput(entry.answer, entry.finish_reason)
                 done.append(Outcome(it, out, "cache", entry.request_id, sim, entry.model_version))
                 return
+        if it.template:
+            templated.append(it)
+            return
         rank = RANK[it.work.priority]
         vector = it.vector if self._semantic_ok(it) else None
         if s.dedup_enabled and req.cache:
@@ -444,37 +456,46 @@ class Inference:
         m.degradation_level.set(level)
         return level
 
-    def _degrade_queued(self, items: list[QueuedItem]) -> tuple[list[QueuedItem], list[Outcome]]:
+    def _degrade_queued(self, items: list[QueuedItem]) -> tuple[list[QueuedItem], list[Pending]]:
         """Apply the current degradation level to popped items (they may have queued at a lower one).
 
-        Returns the items still to run and the template answers (with their followers) to send.
+        Returns the items still to run and those that now get the template answer.
         """
         if not self.rt.settings.degrade_enabled or self.controller.level == 0:
             return items, []
         keep: list[QueuedItem] = []
-        done: list[Outcome] = []
+        templated: list[Pending] = []
         for q in items:
             it: Pending = q.payload
             before = it.level
             p = self._plan(it)
-            if p.level_applied <= before:
+            if p.level_applied > before and p.use_template and self.template_model is not None:
+                templated.append(it)
+            else:
                 keep.append(q)
-                continue
-            if p.use_template and self.template_model is not None:
-                out = self._template(it)
-                done.append(Outcome(it, out, "template"))
-                for f, _ in self.merges.close(it.lead_id):
-                    f.level = p.level_applied
-                    done.append(Outcome(f, out, "template"))
-                continue
-            keep.append(q)
-        return keep, done
+        return keep, templated
+
+    async def _templates(self, items: list[Pending]) -> list[Outcome]:
+        """Template answers for ``items`` (and their followers), computed in a worker thread."""
+        assert self.template_model is not None
+        loop = asyncio.get_running_loop()
+        outs = await loop.run_in_executor(
+            self.template_pool, self.template_model.template_answers, [p.inp for p in items]
+        )
+        done: list[Outcome] = []
+        for it, out in zip(items, outs, strict=True):
+            out = out or ModelOutput(BUSY_FALLBACK, "template")
+            done.append(Outcome(it, out, "template"))
+            for f, _ in self.merges.close(it.lead_id):
+                f.level = it.level
+                done.append(Outcome(f, out, "template"))
+        return done
 
     async def _run(self, items: list[QueuedItem]) -> None:
         loop = asyncio.get_running_loop()
         items, templated = self._degrade_queued(items)
         if templated:
-            await self.replies.send(templated, batch_size=0)
+            await self.replies.send(await self._templates(templated), batch_size=0)
         if not items:
             return
         pend: list[Pending] = [q.payload for q in items]
@@ -529,12 +550,6 @@ class Inference:
         ok = await self.rt.acker.wait_idle(timeout_s)
         log.info("inference drained: %s, %d records unacked", ok, self.rt.acker.pending())
         return ok
-
-    # ---- replies ---------------------------------------------------------------------------------
-    def _template(self, p: Pending) -> ModelOutput:
-        assert self.template_model is not None
-        out = self.template_model.template_answer(p.inp)
-        return out or ModelOutput("We are very busy right now; please try again shortly.", "template")
 
 
 def register(rt: Runtime, inf: Inference) -> None:

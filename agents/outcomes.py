@@ -40,6 +40,8 @@ class Pending:
     level: int = 0
     vector: np.ndarray | None = None
     cache_key: str | None = None
+    #: degradation level 3 sends it to the template answer (after a cache lookup)
+    template: bool = False
     #: copies of this very request read again (a redelivery) while it was still in flight: each
     #: gets the same recorded reply
     twins: list[Pending] = field(default_factory=list)

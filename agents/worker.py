@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -25,13 +26,35 @@ from pipeline.settings import Settings
 log = logging.getLogger("surge.worker")
 
 
+def _json_kv(event: Any) -> tuple[str, Any]:
+    """Key and value of a changelog event, decoded from JSON where they are still bytes."""
+    key, value = event.key, event.value
+    if isinstance(key, bytes | bytearray):
+        key = json.loads(key)
+    if isinstance(value, bytes | bytearray):
+        value = json.loads(value) if value else None
+    return str(key), value
+
+
 def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
     """The app with everything ``settings.role`` asks for, ready for ``faust.Worker``."""
+    if settings.role == "risk":
+        from agents.risk import build_risk_app
+
+        return build_risk_app(settings)
     app = create_app(settings)
     rt = Runtime(settings, app, create_metrics())
+    cache: AnswerCache | None = None
+
+    async def learn_answer(event: Any) -> None:
+        # each answer another worker stores reaches this worker's semantic index as it arrives
+        if cache is not None:
+            cache.learn(*_json_kv(event))
+
     answers = app.GlobalTable(
         "answers", default=None, partitions=settings.partitions, use_partitioner=True,
         schema=faust.Schema(key_serializer="json", value_serializer="json"),
+        on_changelog_event=learn_answer,
     )  # fmt: skip
     cache = (
         AnswerCache(
@@ -64,12 +87,6 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
         inf = inference_agent.Inference(rt, model, template, embedder, cache)
         inference_agent.register(rt, inf)
         rt.inference = inf
-
-        if cache is not None:
-
-            @app.timer(5.0)
-            async def sync_cache() -> None:
-                cache.sync()
 
     life = rt.lifecycle = Lifecycle(app, rt)
 

@@ -75,6 +75,11 @@ class ModelBackend(abc.ABC):
         """A canned answer for degradation level 3, or ``None``."""
         return None
 
+    def template_answers(self, batch: Sequence[ModelInput]) -> list[ModelOutput | None]:
+        """:meth:`template_answer` for a batch (blocking: called in a worker thread, never on the
+        event loop); a backend that classifies overrides it to do one call for the batch."""
+        return [self.template_answer(inp) for inp in batch]
+
     def peek_version(self) -> str:
         """The version :meth:`load` will stamp, computed without loading (cheap: file hashes).
 

@@ -401,5 +401,14 @@ class FAQAnswerer(ModelBackend):
 
     def template_answer(self, inp: ModelInput) -> ModelOutput:
         """The same canned answer, marked ``finish_reason="template"``; called under degradation level 3."""
-        (intent, conf) = self.classify([inp.text])[0]
-        return self._output(intent, conf, inp, "template")
+        return self.template_answers([inp])[0]
+
+    def template_answers(self, batch: Sequence[ModelInput]) -> list[ModelOutput]:  # type: ignore[override]
+        """Template answers for a batch: one classification, with the pipeline's vectors if given."""
+        given = [inp.vector for inp in batch]
+        vectors = np.stack(given).astype(np.float32) if given and all(v is not None for v in given) else None
+        results = self.classify([inp.text for inp in batch], vectors)
+        return [
+            self._output(intent, conf, inp, "template")
+            for (intent, conf), inp in zip(results, batch, strict=True)
+        ]

@@ -58,6 +58,7 @@ class AnswerCache:
         self.index: SemanticIndex | None = None  # created at the first vector (its dim)
         self._lru: OrderedDict[str, None] = OrderedDict()
         self._indexed: set[str] = set()
+        self._scope_of: dict[str, str] = {}  # indexed key -> its scope
 
     def _fresh(self, entry: CachedAnswer, now: float) -> bool:
         return now - entry.created_ms < self.ttl_ms
@@ -113,6 +114,7 @@ class AnswerCache:
     def _forget(self, scope: str, key: str) -> None:
         if key in self._indexed and self.index is not None:
             self._indexed.discard(key)
+            self._scope_of.pop(key, None)
             self.index.remove(scope, key)
         self._lru.pop(key, None)
 
@@ -140,6 +142,43 @@ class AnswerCache:
                 added += 1
         return added
 
+    def learn(self, key: str, raw: dict[str, object] | None) -> bool:
+        """Index one entry another worker wrote, as its changelog record arrives (None: deleted).
+
+        Called for each changelog event of the store, so that the semantic layer follows other
+        workers' answers without re-reading the whole store; returns whether it was indexed.
+        """
+        if raw is None:
+            self._unindex(key)
+            self._lru.pop(key, None)
+            return False
+        if key in self._indexed or raw.get("vector") is None:
+            return False
+        try:
+            entry = CachedAnswer.from_dict(raw)
+        except TypeError:
+            return False
+        if not self._fresh(entry, self.clock_ms()):
+            return False
+        self._index(key, entry)
+        if key not in self._lru:
+            self._lru[key] = None
+            self._lru.move_to_end(key, last=False)
+        self._evict_index_only()
+        return True
+
+    def _evict_index_only(self) -> None:
+        """Keep what this worker indexes within ``max_entries`` without writing the shared store."""
+        while len(self._lru) > self.max_entries:
+            key, _ = self._lru.popitem(last=False)
+            self._unindex(key)
+
+    def _unindex(self, key: str) -> None:
+        scope = self._scope_of.pop(key, None)
+        self._indexed.discard(key)
+        if scope is not None and self.index is not None:
+            self.index.remove(scope, key)
+
     def __len__(self) -> int:
         return len(self._lru)
 
@@ -149,6 +188,7 @@ class AnswerCache:
                 self.index = SemanticIndex(dim=len(entry.vector), max_per_scope=self._index_capacity)
             self.index.add(entry.scope, key, np.asarray(entry.vector, dtype=np.float32))
             self._indexed.add(key)
+            self._scope_of[key] = entry.scope
 
     def _touch(self, key: str) -> None:
         self._lru[key] = None
@@ -158,6 +198,7 @@ class AnswerCache:
         self._lru.pop(key, None)
         if key in self._indexed:
             self._indexed.discard(key)
+            self._scope_of.pop(key, None)
             scope = entry.scope if entry else None
             if scope is not None and self.index is not None:
                 self.index.remove(scope, key)

@@ -376,7 +376,7 @@ class SemanticIndex:
         keys = self._keys.setdefault(scope, [])
         matrix = self._matrix.get(scope)
         if matrix is None:
-            matrix = self._matrix[scope] = np.zeros((min(64, self.max_per_scope), self.dim), dtype=np.float32)
+            matrix = self._matrix[scope] = np.zeros((min(4, self.max_per_scope), self.dim), dtype=np.float32)
         if key in rows:
             matrix[rows[key]] = v
             rows.move_to_end(key)
@@ -389,7 +389,7 @@ class SemanticIndex:
             rows = self._rows.setdefault(scope, OrderedDict())
             keys = self._keys.setdefault(scope, [])
             matrix = self._matrix.setdefault(
-                scope, np.zeros((min(64, self.max_per_scope), self.dim), dtype=np.float32)
+                scope, np.zeros((min(4, self.max_per_scope), self.dim), dtype=np.float32)
             )
         n = len(keys)
         if n == matrix.shape[0]:

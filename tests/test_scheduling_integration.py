@@ -122,7 +122,8 @@ async def test_overload_degrades_low_classes_to_templates_but_never_realtime(dep
     assert all(r.degradation_level == 3 and r.finish_reason == "template" and r.answer for r in templated)
     assert all(r.priority == "batch" for r in templated)
     for r in replies[-5:]:
-        assert r.status == "ok" and r.served_from == "model" and r.degradation_level <= 2, (
+        # identical real-time questions share one model call: the leader's "model", the others "merged"
+        assert r.status == "ok" and r.served_from in ("model", "merged") and r.degradation_level <= 2, (
             r.error,
             r.served_from,
         )

@@ -1,0 +1,100 @@
+"""The reply book and the keys that decide what may be shared."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.exceptions import InvalidRequestError
+from pipeline.keys import cache_key, reply_key, request_scope, source_key
+from pipeline.records import InferenceRequest
+from pipeline.replybook import ReplyBook
+from pipeline.replyto import ReplyToPolicy
+from pipeline.topics import TopicNames
+
+
+def test_first_reply_wins_and_repeats_are_identical() -> None:
+    now = [1_000.0]
+    book = ReplyBook({}, ttl_ms=60_000, clock_ms=lambda: now[0])
+    key = reply_key("acme", "u1", "r1")
+    assert book.get(key) is None
+    assert book.record(key, b'{"answer":"A"}') == b'{"answer":"A"}'
+    # a second worker (or a redelivery) that computed something else sends the recorded one
+    assert book.record(key, b'{"status":"error"}') == b'{"answer":"A"}'
+    assert book.get(key) == b'{"answer":"A"}'
+    now[0] += 60_000
+    assert book.get(key) is None  # expired: forgotten
+
+
+def test_reply_keys_never_collide_across_tenants_or_users() -> None:
+    keys = {
+        reply_key("a", "u", "1"),
+        reply_key("b", "u", "1"),
+        reply_key("a", "v", "1"),
+        reply_key("a|1:u", "", "1"),
+        reply_key("a", "u|1:1", ""),
+    }
+    assert len(keys) == 5
+    assert source_key("t", 1, 2) != source_key("t", 12, 2)
+
+
+def _req(**kw: object) -> InferenceRequest:
+    return InferenceRequest.model_validate({"request_id": "r", "user_id": "u", **kw})
+
+
+def _scope(req: InferenceRequest, version: str = "v1") -> str:
+    return request_scope(
+        tenant=req.tenant, model="faq", model_version=version, max_tokens=req.max_tokens,
+        temperature=req.temperature, logprobs=req.logprobs, context=req.context(),
+    )  # fmt: skip
+
+
+def test_scope_covers_the_whole_conversation_and_the_model_version() -> None:
+    q = {"role": "user", "content": "How do I reset my PIN?"}
+    plain = _req(messages=[q])
+    french = _req(messages=[{"role": "system", "content": "answer in French"}, q])
+    history = _req(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, q])
+    scopes = {_scope(plain), _scope(french), _scope(history), _scope(plain, version="v2")}
+    assert len(scopes) == 4
+    # the last user message is what the exact key reads; the prompt form is the same conversation
+    assert _scope(_req(prompt="How do I reset my PIN?")) == _scope(plain)
+    assert french.text() == plain.text()
+    assert cache_key(french.text(), _scope(french)) != cache_key(plain.text(), _scope(plain))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "__consumer_offsets",
+        "__transaction_state",
+        "surge-answers-changelog",
+        "surge-ratelimit-changelog",
+        "other-app-x-changelog",
+        "surge.work.realtime",
+        "surge.requests",
+        "surge.deadletter",
+        "surge.risk.decisions",
+        "surge.repliesX",
+        "my-topic",
+        "surge.replies.-changelog",
+    ],
+)
+def test_reply_to_refuses_internal_and_foreign_topics(name: str) -> None:
+    policy = ReplyToPolicy(TopicNames("surge."), app_id="surge")
+    with pytest.raises(InvalidRequestError, match="not allowed"):
+        policy.resolve(name)
+    assert policy.safe(name) == "surge.replies"
+
+
+def test_reply_to_allows_the_replies_family_and_a_configured_pattern() -> None:
+    policy = ReplyToPolicy(TopicNames("surge."), app_id="surge")
+    assert policy.resolve(None) == "surge.replies"
+    assert policy.resolve("surge.replies") == "surge.replies"
+    assert policy.resolve("surge.replies.team-a") == "surge.replies.team-a"
+    custom = ReplyToPolicy(TopicNames("surge."), app_id="surge", pattern=r"bank\.answers\.[a-z]+")
+    assert custom.resolve("bank.answers.web") == "bank.answers.web"
+    with pytest.raises(InvalidRequestError):
+        custom.resolve("surge.replies.x")
+    # a pattern cannot open an internal topic
+    wide = ReplyToPolicy(TopicNames("surge."), app_id="surge", pattern=r".*")
+    with pytest.raises(InvalidRequestError):
+        wide.resolve("surge-answers-changelog")
