@@ -1,0 +1,262 @@
+"""Per-entity window features: one entity's state and the step that reads it and then updates it.
+
+docs/architecture.md, "Risk: features". Four kinds of entity (account, card, device, ip) each keep,
+per window of :data:`pipeline.risk.windows.WINDOWS`, per tile: the event count, the amount (in integer
+cents, so sums are exact), the count of small amounts (cards) and the distinct values of a few fields
+(e.g. an account's devices, countries and merchants; an ip's accounts and cards). Features of an
+event are read from the state *before* the event is added (the event does not count itself), then
+the event is added. An entity also keeps its head (latest event time), the devices and countries it
+has seen (accounts) and the ids of its last events, so a redelivered event is recognised and never
+counted twice.
+
+Lateness is decided on the account (the first entity an event visits): an event more than
+``grace_ms`` behind its account's head is late; it is not added anywhere.
+
+Pure: standard library only. :mod:`pipeline.risk.reference` recomputes the same features by brute
+force.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.risk.records import ENTITY_KINDS
+from pipeline.risk.windows import WINDOWS
+
+DUP, LATE, OK = "dup", "late", "ok"
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureConfig:
+    """The knobs of the feature logic (Settings ``risk_*`` fields)."""
+
+    #: an event more than this behind its account's latest event time is late
+    grace_ms: int = 5_000
+    #: tiles are kept for the window plus this much behind an entity's head
+    horizon_ms: int = 60_000
+    #: amounts at or below this (and above 0) count as small
+    small_amount_cents: int = 500
+    #: ids of an entity's last events kept to recognise a redelivered event
+    dedup_ids: int = 32
+    #: devices and countries an account remembers for the first-seen features
+    seen_max: int = 64
+
+
+@dataclass(frozen=True, slots=True)
+class EntitySpec:
+    """What one kind of entity aggregates."""
+
+    kind: str
+    #: event fields whose distinct values are counted per window
+    distinct: tuple[str, ...]
+    #: count small amounts (card testing)
+    small: bool = False
+    #: event fields with a first-seen feature (accounts)
+    seen: tuple[str, ...] = ()
+
+
+SPECS: dict[str, EntitySpec] = {
+    "account": EntitySpec("account", ("device", "country", "merchant"), seen=("device", "country")),
+    "card": EntitySpec("card", ("merchant", "country"), small=True),
+    "device": EntitySpec("device", ("account", "card")),
+    "ip": EntitySpec("ip", ("account", "card")),
+}
+
+
+def feature_names(kind: str) -> tuple[str, ...]:
+    """The features one kind contributes, in the order :func:`step` returns them."""
+    spec = SPECS[kind]
+    names: list[str] = []
+    for w in WINDOWS:
+        names += [f"{kind}_count_{w.name}", f"{kind}_amount_{w.name}"]
+        if spec.small:
+            names.append(f"{kind}_small_{w.name}")
+        names += [f"{kind}_distinct_{f}_{w.name}" for f in spec.distinct]
+    names.append(f"{kind}_since_last_s")
+    if kind == "account":
+        names += ["account_amount_ratio_24h", *(f"account_new_{f}" for f in spec.seen)]
+    return tuple(names)
+
+
+NAMES: dict[str, tuple[str, ...]] = {k: feature_names(k) for k in ENTITY_KINDS}
+#: every feature of an event, account first
+ALL_FEATURES: tuple[str, ...] = tuple(n for k in ENTITY_KINDS for n in NAMES[k])
+
+
+def cents(amount: float) -> int:
+    """An amount in integer cents (sums of cents are exact, whatever the order)."""
+    return round(amount * 100)
+
+
+class EntityState:
+    """One entity's tiles, head, first-seen values and recent event ids. JSON via :meth:`dumps`."""
+
+    __slots__ = ("head", "recent", "seen", "tiles")
+
+    def __init__(self, spec: EntitySpec, cfg: FeatureConfig) -> None:
+        self.head: int | None = None
+        #: per window: {tile index: [count, cents, small, set(values of distinct field 0), ...]}
+        self.tiles: list[dict[int, list[Any]]] = [{} for _ in WINDOWS]
+        self.seen: dict[str, list[str]] = {f: [] for f in spec.seen}
+        self.recent: deque[str] = deque(maxlen=cfg.dedup_ids)
+
+    def dumps(self) -> bytes:
+        """Compact JSON bytes (what the RocksDB table and its changelog hold)."""
+        tiles = [
+            [[idx, t[0], t[1], t[2], *(sorted(s) for s in t[3:])] for idx, t in ts.items()]
+            for ts in self.tiles
+        ]
+        return json.dumps(
+            {"h": self.head, "t": tiles, "s": self.seen, "r": list(self.recent)}, separators=(",", ":")
+        ).encode()
+
+    @classmethod
+    def loads(cls, data: bytes, spec: EntitySpec, cfg: FeatureConfig) -> EntityState:
+        obj = json.loads(data)
+        st = cls(spec, cfg)
+        st.head = obj["h"]
+        st.tiles = [
+            {row[0]: [row[1], row[2], row[3], *(set(v) for v in row[4:])] for row in ts} for ts in obj["t"]
+        ]
+        st.seen = {f: list(obj["s"].get(f, [])) for f in spec.seen}
+        st.recent.extend(obj["r"])
+        return st
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What :func:`step` found: ``status`` DUP (seen before), LATE (account only) or OK with features."""
+
+    status: str
+    features: list[Any] | None = None
+    #: the account's head when a late event arrived
+    watermark_ms: int | None = None
+
+
+def _geometry(horizon_ms: int) -> tuple[tuple[int, int, int], ...]:
+    """``(tile_ms, tiles per window, tiles kept)`` of each window for a reorder horizon."""
+    g = _GEOMETRY.get(horizon_ms)
+    if g is None:
+        g = _GEOMETRY[horizon_ms] = tuple((w.tile_ms, w.tiles, w.kept(horizon_ms)) for w in WINDOWS)
+    return g
+
+
+_GEOMETRY: dict[int, tuple[tuple[int, int, int], ...]] = {}
+
+
+def step(spec: EntitySpec, cfg: FeatureConfig, state: EntityState, ev: dict[str, Any]) -> StepResult:
+    """Read the entity's features as of ``ev`` (a RiskEvent as a dict), then add ``ev`` to ``state``.
+
+    Idempotent per ``event_id``: an event found among the entity's recent ids returns DUP and changes
+    nothing. On the account, an event more than ``grace_ms`` behind the head returns LATE and is only
+    remembered as seen. Windows: see :class:`pipeline.risk.windows.Window` (``span`` and ``floor``).
+    """
+    eid = ev["event_id"]
+    if eid in state.recent:
+        return StepResult(DUP)
+    t: int = ev["event_time_ms"]
+    prev = state.head
+    if spec.kind == "account" and prev is not None and t < prev - cfg.grace_ms:
+        state.recent.append(eid)
+        return StepResult(LATE, watermark_ms=prev)
+    head = t if prev is None or t > prev else prev
+    amount = cents(ev["amount"])
+    fields = spec.distinct
+    nf = len(fields)
+    small_on = spec.small
+    is_small = int(small_on and 0 < amount <= cfg.small_amount_cents)
+    values = [ev[f] for f in fields]
+    out: list[Any] = []
+    count = total = 0
+    for wi, (tile_ms, n, kept) in enumerate(_geometry(cfg.horizon_ms)):
+        tiles = state.tiles[wi]
+        hi = t // tile_ms
+        floor = head // tile_ms - kept + 1
+        lo = hi - n + 1
+        if floor > lo:
+            lo = floor
+        count = total = small = 0
+        if not tiles:
+            out += [0, 0.0, 0] if small_on else [0, 0.0]
+            out += [0] * nf
+        else:
+            if len(tiles) <= hi - lo + 1:
+                chosen = [tile for idx, tile in tiles.items() if lo <= idx <= hi]
+            else:
+                chosen = [tile for idx in range(lo, hi + 1) if (tile := tiles.get(idx)) is not None]
+            for tile in chosen:
+                count += tile[0]
+                total += tile[1]
+                small += tile[2]
+            out.append(count)
+            out.append(total / 100)
+            if small_on:
+                out.append(small)
+            if len(chosen) == 1:
+                out += [len(x) for x in chosen[0][3:]]
+            else:
+                for k in range(3, 3 + nf):
+                    out.append(len(set().union(*(tile[k] for tile in chosen))))
+            # prune tiles below the floor (no later event reads them), then add the event
+            if len(tiles) >= kept:
+                for idx in [i for i in tiles if i < floor]:
+                    del tiles[idx]
+        if hi >= floor:
+            tile = tiles.get(hi)
+            if tile is None:
+                tile = tiles[hi] = [1, amount, is_small, *({v} if v is not None else set() for v in values)]
+            else:
+                tile[0] += 1
+                tile[1] += amount
+                tile[2] += is_small
+                for k, v in enumerate(values, 3):
+                    if v is not None:
+                        tile[k].add(v)
+    out.append(None if prev is None else max(0, t - prev) / 1000)
+    if spec.kind == "account":
+        # count and total are the last window's (24 h), read before the event was added
+        out.append(amount * count / total if count and total else None)
+        for f in spec.seen:
+            v = ev[f]
+            seen = state.seen[f]
+            out.append(None if prev is None or v is None else int(v not in seen))
+            if v is not None and v not in seen:
+                seen.append(v)
+                if len(seen) > cfg.seen_max:
+                    del seen[0]
+    state.head = head
+    state.recent.append(eid)
+    return StepResult(OK, out)
+
+
+class FeatureEngine:
+    """All four kinds in one process, every entity seeing events in the order given: the offline
+    replay that training, the simulator's evaluation and the demo's summary use. (Online, each kind
+    runs on the partition that owns the entity, see :mod:`pipeline.risk.stages`.)"""
+
+    def __init__(self, cfg: FeatureConfig | None = None) -> None:
+        self.cfg = cfg or FeatureConfig()
+        self.states: dict[str, dict[str, EntityState]] = {k: {} for k in ENTITY_KINDS}
+
+    def process(self, ev: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
+        """``(status, features)``: features of every kind (None for kinds the event lacks), or
+        ``(LATE, None)`` / ``(DUP, None)``."""
+        feats: dict[str, Any] = dict.fromkeys(ALL_FEATURES)
+        for kind in ENTITY_KINDS:
+            key = ev[kind]
+            if key is None:
+                continue
+            states = self.states[kind]
+            st = states.get(key)
+            if st is None:
+                st = states[key] = EntityState(SPECS[kind], self.cfg)
+            res = step(SPECS[kind], self.cfg, st, ev)
+            if res.status != OK:
+                if kind == "account":
+                    return res.status, None
+                continue  # a duplicate further down: already counted there
+            feats.update(zip(NAMES[kind], res.features or (), strict=True))
+        return OK, feats

@@ -1,0 +1,158 @@
+"""Records of the risk path (docs/architecture.md, "Risk"): JSON, UTF-8, validated with pydantic.
+
+* :class:`RiskEvent` on ``surge.risk.events``, key = ``account``;
+* :class:`RiskDecision` on ``surge.risk.decisions``, key = ``account``;
+* :class:`LateEvent` on ``surge.risk.late``, key = ``account``.
+
+Decoding raises :class:`InvalidRiskEventError` only, whose message says what was wrong and what the
+limit is; :func:`salvage_event_ids` recovers ``event_id``/``account`` from a record that failed
+validation so that it can still get an error decision.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pipeline.exceptions import InvalidRequestError
+from pipeline.records import ErrorInfo
+
+EventType = Literal["payment", "transfer", "login"]
+Outcome = Literal["approve", "review", "decline", "error"]
+#: the entities features are kept for, in the order an event visits them
+ENTITY_KINDS: tuple[str, ...] = ("account", "card", "device", "ip")
+#: largest amount an event may carry, in currency units
+MAX_AMOUNT = 1e9
+
+Id = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class InvalidRiskEventError(InvalidRequestError):
+    """A risk event that cannot be decoded or fails validation."""
+
+
+class RiskEvent(BaseModel):
+    """One payment, transfer or login, as producers write it to ``surge.risk.events``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    event_id: Id
+    type: EventType
+    account: Id
+    card: Id | None = None
+    device: Id | None = None
+    ip: Annotated[str, Field(min_length=1, max_length=64)] | None = None
+    amount: Annotated[float, Field(ge=0, le=MAX_AMOUNT, allow_inf_nan=False)] = 0.0
+    currency: Annotated[str, Field(pattern=r"^[A-Z]{3}$")] = "EUR"
+    merchant: Id | None = None
+    country: Annotated[str, Field(pattern=r"^[A-Z]{2}$")]
+    event_time_ms: Annotated[int, Field(ge=0, le=10**13, strict=True)]
+
+    @model_validator(mode="after")
+    def _by_type(self) -> RiskEvent:
+        if self.type == "payment" and self.card is None:
+            raise ValueError("a payment needs a card")
+        if self.type == "login" and self.amount != 0:
+            raise ValueError(f"a login carries no amount, got {self.amount:g}")
+        return self
+
+
+class RiskTimings(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    #: the event's own time (what the windows use)
+    event_time_ms: int
+    #: the record's timestamp on surge.risk.events (when the producer sent it)
+    produced_ms: int
+    #: when the decision was made
+    decided_ms: int
+    #: decided_ms - produced_ms
+    produce_to_decision_ms: float
+
+
+class RiskDecision(BaseModel):
+    """One decision per event, on ``surge.risk.decisions`` keyed by account."""
+
+    model_config = ConfigDict(frozen=True)
+
+    event_id: str
+    account: str
+    decision: Outcome
+    #: the model's fraud probability; None when no model ran (late or invalid events, model off)
+    score: float | None = None
+    #: the rules and features behind the decision, e.g. ``rule card_testing@2: card_small_1m=4 >= 3``
+    reasons: list[str] = []
+    rule_version: str | None = None
+    model_version: str | None = None
+    #: every feature value the rules and the model saw (None: the event has no such entity)
+    features: dict[str, float | int | None] = {}
+    late: bool = False
+    error: ErrorInfo | None = None
+    timings: RiskTimings | None = None
+
+    def same_as(self, other: RiskDecision) -> bool:
+        """Equal apart from timings: what a decision repeated after a crash must satisfy."""
+        return self.model_dump(exclude={"timings"}) == other.model_dump(exclude={"timings"})
+
+
+class LateEvent(BaseModel):
+    """An event later than the grace period, for operators (``surge.risk.late``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    event: dict[str, Any]
+    #: the account's latest event time when this one arrived
+    watermark_ms: int
+    late_by_ms: int
+    grace_ms: int
+    source_partition: int
+    source_offset: int
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err["loc"]) or "record"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def decode_event(raw: bytes | None, key: bytes | None, *, max_record_bytes: int) -> RiskEvent:
+    """Decode and validate one event record; raises :class:`InvalidRiskEventError` only."""
+    if raw is None:
+        raise InvalidRiskEventError("empty record (no value)")
+    if len(raw) > max_record_bytes:
+        raise InvalidRiskEventError(f"record is {len(raw)} bytes; the limit is {max_record_bytes} bytes")
+    try:
+        ev = RiskEvent.model_validate_json(raw)
+    except ValidationError as exc:
+        kinds = {e["type"] for e in exc.errors()}
+        if kinds & {"json_invalid", "json_type"}:
+            raise InvalidRiskEventError(f"record is not a valid JSON object: {_describe(exc)}") from exc
+        raise InvalidRiskEventError(f"invalid risk event: {_describe(exc)}") from exc
+    except (ValueError, RecursionError) as exc:  # pragma: no cover - pydantic wraps these
+        raise InvalidRiskEventError(f"record is not valid JSON: {exc}") from exc
+    if key is not None and key.decode("utf-8", "replace") != ev.account:
+        raise InvalidRiskEventError(
+            f"record key {key.decode('utf-8', 'replace')!r} differs from account {ev.account!r}; "
+            "key risk events by account"
+        )
+    return ev
+
+
+def salvage_event_ids(raw: bytes | None) -> tuple[str, str] | None:
+    """``(event_id, account)`` from a record that failed validation, when readable."""
+    if not raw or len(raw) > (4 << 20):
+        return None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    eid, account = data.get("event_id"), data.get("account")
+    if isinstance(eid, str) and isinstance(account, str) and 0 < len(eid) <= 128 and 0 < len(account) <= 128:
+        return eid, account
+    return None

@@ -1,0 +1,255 @@
+"""The re-keyed chain of the risk path, as pure logic over a state store (docs/architecture.md,
+"Risk: the chain").
+
+An event visits its entities in the order account → card → device → ip (skipping those it lacks).
+Each entity kind is a stage: it runs on the partition that owns the entity, reads and updates the
+entity's state (:func:`pipeline.risk.features.step`), adds that entity's features to the event's
+*item*, and hands the item on to the next entity's stage through a repartition topic, on the
+partition Kafka's default partitioner gives the next entity's id (murmur2, as a record keyed by it
+would land), or, at the last entity, to the decision. So each entity's state lives on exactly one
+partition, as in Kafka Streams.
+
+Records on the repartition topics carry several items each (all bound for the record's partition):
+one record per target partition per batch, which keeps the per-record cost of the broker and of
+Faust off the per-event path.
+
+An item (JSON): ``e`` the event, ``f`` the features so far, ``rv`` the rule-set version pinned at the
+account stage (so a decision repeated after a crash evaluates the same rules), ``ts`` the event
+record's produce time and ``rx`` when the account stage read it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from pipeline.exceptions import SurgeError
+from pipeline.risk.features import ALL_FEATURES, DUP, LATE, NAMES, SPECS, EntityState, FeatureConfig, step
+from pipeline.risk.records import ENTITY_KINDS
+
+#: the kinds that are reached through a repartition topic
+REKEYED_KINDS: tuple[str, ...] = ENTITY_KINDS[1:]
+
+
+class RepartitionRecordError(SurgeError):
+    """A record on a repartition topic that surge did not write (it is dead-lettered)."""
+
+    code = "internal"
+
+    def __init__(self, topic: str, partition: int, offset: int, detail: str) -> None:
+        super().__init__(f"undecodable repartition record at {topic}[{partition}]@{offset}: {detail}")
+        self.topic, self.partition, self.offset = topic, partition, offset
+
+
+def murmur2(data: bytes) -> int:
+    """Kafka's murmur2 hash (org.apache.kafka.common.utils.Utils.murmur2), unsigned 32-bit."""
+    length = len(data)
+    m, r = 0x5BD1E995, 24
+    h = (0x9747B28C ^ length) & 0xFFFFFFFF
+    for i in range(0, length - length % 4, 4):
+        k = data[i] | (data[i + 1] << 8) | (data[i + 2] << 16) | (data[i + 3] << 24)
+        k = (k * m) & 0xFFFFFFFF
+        k ^= k >> r
+        k = (k * m) & 0xFFFFFFFF
+        h = ((h * m) & 0xFFFFFFFF) ^ k
+    tail = length & ~3
+    extra = length % 4
+    if extra >= 3:
+        h ^= data[tail + 2] << 16
+    if extra >= 2:
+        h ^= data[tail + 1] << 8
+    if extra >= 1:
+        h ^= data[tail]
+        h = (h * m) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * m) & 0xFFFFFFFF
+    h ^= h >> 15
+    return h
+
+
+@lru_cache(maxsize=1 << 16)
+def partition_for(key: str, partitions: int) -> int:
+    """The partition a record keyed ``key`` gets from Kafka's default partitioner."""
+    return (murmur2(key.encode()) & 0x7FFFFFFF) % partitions
+
+
+def next_kind(event: dict[str, Any], after: str) -> str | None:
+    """The next entity kind after ``after`` that the event has, or None (then it is decided)."""
+    for kind in ENTITY_KINDS[ENTITY_KINDS.index(after) + 1 :]:
+        if event.get(kind) is not None:
+            return kind
+    return None
+
+
+def new_item(event: dict[str, Any], rule_version: str, produced_ms: int, received_ms: int) -> dict[str, Any]:
+    """The item the account stage starts from."""
+    return {"e": event, "f": {}, "rv": rule_version, "ts": produced_ms, "rx": received_ms}
+
+
+def pack(items: Sequence[dict[str, Any]]) -> bytes:
+    """One repartition record holding ``items``."""
+    return json.dumps({"items": list(items)}, separators=(",", ":")).encode()
+
+
+def unpack(raw: bytes | None, where: tuple[str, int, int]) -> list[dict[str, Any]]:
+    """The items of one repartition record; :class:`RepartitionRecordError` for anything else."""
+    try:
+        items = json.loads(raw or b"")["items"]
+        if not isinstance(items, list) or not all(
+            isinstance(i, dict) and isinstance(i.get("e"), dict) and isinstance(i.get("f"), dict)
+            for i in items
+        ):
+            raise ValueError("items must be a list of {e, f, ...} objects")
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise RepartitionRecordError(*where, repr(exc)) from exc
+    return items
+
+
+def full_features(partial: dict[str, Any]) -> dict[str, Any]:
+    """Every feature name, None where the event had no such entity."""
+    return {name: partial.get(name) for name in ALL_FEATURES}
+
+
+class StateCache:
+    """The feature cache: decoded entity states of one stage, least recently used evicted first.
+
+    Reads it serves skip the RocksDB read and the JSON decode. It is cleared on every rebalance (a
+    partition this worker gets back may have been updated elsewhere meanwhile)."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._data: OrderedDict[str, EntityState] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: str) -> EntityState | None:
+        st = self._data.get(key)
+        if st is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+            self._data.move_to_end(key)
+        return st
+
+    def put(self, key: str, state: EntityState) -> None:
+        if self.max_entries <= 0:
+            return
+        self._data[key] = state
+        self._data.move_to_end(key)
+        while len(self._data) > self.max_entries:
+            self._data.popitem(last=False)
+
+    def clear(self) -> None:
+        self._data.clear()
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+@dataclass
+class StageResult:
+    """What one stage made of a batch."""
+
+    #: items for the next stage, by (kind, partition)
+    forward: dict[tuple[str, int], list[dict[str, Any]]] = field(default_factory=dict)
+    #: items with all their features: to be decided
+    decide: list[tuple[dict[str, Any], Any]] = field(default_factory=list)
+    #: late items (account stage), with the account's head and the context they came with
+    late: list[tuple[dict[str, Any], int, Any]] = field(default_factory=list)
+    #: changed states to write once the outputs are on the broker: key → (state, context)
+    dirty: dict[str, tuple[EntityState, Any]] = field(default_factory=dict)
+    duplicates: int = 0
+
+
+class Stage:
+    """One entity kind's stage. ``load(key, ctx)`` reads a state's bytes from the table (``ctx`` is
+    whatever the caller needs to find the right partition: the Faust event)."""
+
+    def __init__(
+        self,
+        kind: str,
+        cfg: FeatureConfig,
+        partitions: int,
+        cache: StateCache,
+        load: Callable[[str, Any], bytes | None],
+    ) -> None:
+        self.kind = kind
+        self.spec = SPECS[kind]
+        self.names = NAMES[kind]
+        self.cfg = cfg
+        self.partitions = partitions
+        self.cache = cache
+        self.load = load
+
+    def state(self, key: str, ctx: Any) -> EntityState:
+        st = self.cache.get(key)
+        if st is None:
+            raw = self.load(key, ctx)
+            st = (
+                EntityState(self.spec, self.cfg)
+                if raw is None
+                else EntityState.loads(raw, self.spec, self.cfg)
+            )
+            self.cache.put(key, st)
+        return st
+
+    def run(self, batch: Sequence[tuple[dict[str, Any], Any]]) -> StageResult:
+        """Step every item of ``batch`` (in order) through its entity's state."""
+        out = StageResult()
+        kind = self.kind
+        for item, ctx in batch:
+            ev = item["e"]
+            key = ev[kind]
+            dirty = out.dirty.get(key)
+            st = dirty[0] if dirty is not None else self.state(key, ctx)
+            res = step(self.spec, self.cfg, st, ev)
+            if res.status == DUP:
+                out.duplicates += 1
+                continue
+            out.dirty[key] = (st, ctx)
+            if res.status == LATE:
+                out.late.append((item, res.watermark_ms or 0, ctx))
+                continue
+            item["f"].update(zip(self.names, res.features or (), strict=True))
+            nxt = next_kind(ev, kind)
+            if nxt is None:
+                out.decide.append((item, ctx))
+            else:
+                out.forward.setdefault((nxt, partition_for(ev[nxt], self.partitions)), []).append(item)
+        return out
+
+
+def decision_record(
+    item: dict[str, Any],
+    *,
+    decision: str,
+    score: float | None,
+    reasons: list[str],
+    rule_version: str | None,
+    model_version: str | None,
+    decided_ms: int,
+    late: bool = False,
+) -> dict[str, Any]:
+    """A RiskDecision as a dict (see :class:`pipeline.risk.records.RiskDecision`)."""
+    ev = item["e"]
+    return {
+        "event_id": ev["event_id"],
+        "account": ev["account"],
+        "decision": decision,
+        "score": score,
+        "reasons": reasons,
+        "rule_version": rule_version,
+        "model_version": model_version,
+        "features": {} if late else full_features(item["f"]),
+        "late": late,
+        "timings": {
+            "event_time_ms": ev["event_time_ms"],
+            "produced_ms": item["ts"],
+            "decided_ms": decided_ms,
+            "produce_to_decision_ms": max(0, decided_ms - item["ts"]),
+        },
+    }

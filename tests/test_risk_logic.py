@@ -1,0 +1,420 @@
+"""Unit tests of the risk path's pure logic (pipeline/risk): tiled windows at their edges, features
+against the brute-force recomputation, idempotency, lateness, the state's JSON, the re-keying
+partitioner, the chain over a store, rules, decisions, records, and the simulator's determinism."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.risk.decide import Thresholds, decide
+from pipeline.risk.features import (
+    ALL_FEATURES,
+    DUP,
+    LATE,
+    NAMES,
+    OK,
+    SPECS,
+    EntityState,
+    FeatureConfig,
+    FeatureEngine,
+    step,
+)
+from pipeline.risk.records import (
+    InvalidRiskEventError,
+    RiskDecision,
+    decode_event,
+    salvage_event_ids,
+)
+from pipeline.risk.reference import compare, recompute
+from pipeline.risk.rules import DEFAULT_RULES, Rule, RuleBook, RuleError, RuleSet, parse_rule
+from pipeline.risk.simulate import SCENARIOS, SimConfig, as_event, disorder, simulate
+from pipeline.risk.stages import (
+    RepartitionRecordError,
+    Stage,
+    StateCache,
+    decision_record,
+    murmur2,
+    new_item,
+    next_kind,
+    pack,
+    partition_for,
+    unpack,
+)
+from pipeline.risk.windows import WINDOWS, Window
+
+CFG = FeatureConfig()
+T0 = 1_735_689_600_000  # a multiple of every tile size
+
+
+def ev(i: int | str, t: int, account: str = "a1", amount: float = 10.0, **kw: Any) -> dict[str, Any]:
+    e = {"event_id": f"e{i}", "type": "payment", "account": account, "card": "c1", "device": None, "ip": None,
+         "amount": amount, "currency": "EUR", "merchant": "m1", "country": "DE", "event_time_ms": t}  # fmt: skip
+    e.update(kw)
+    return e
+
+
+def feats(kind: str, res: Any) -> dict[str, Any]:
+    assert res.status == OK
+    return dict(zip(NAMES[kind], res.features, strict=True))
+
+
+# ---- windows ---------------------------------------------------------------------------------------
+def test_window_spans_whole_tiles_and_the_floor_follows_the_head() -> None:
+    w = Window("1m", 60_000, 10_000)
+    assert w.tiles == 6 and w.kept(60_000) == 12 and w.kept(1) == 7
+    # an event at the start of a tile reads the 5 tiles before it and its own
+    assert w.span(T0, T0, 60_000) == (T0 // 10_000 - 5, T0 // 10_000)
+    # far behind the head, the floor (window + horizon behind the head) cuts the span
+    head = T0 + 100_000
+    lo, hi = w.span(T0, head, 60_000)
+    assert hi == T0 // 10_000 and lo == head // 10_000 - 11
+    with pytest.raises(ValueError, match="must divide"):
+        Window("x", 60_000, 7_000)
+    assert [x.name for x in WINDOWS] == ["1m", "1h", "24h"]
+
+
+def test_one_minute_window_edges() -> None:
+    st_ = EntityState(SPECS["card"], CFG)
+    s = SPECS["card"]
+    assert feats("card", step(s, CFG, st_, ev(1, T0)))["card_count_1m"] == 0  # nothing before it
+    # 59.999 s later, still inside the window (its tile is 5 tiles on)
+    f = feats("card", step(s, CFG, st_, ev(2, T0 + 59_999)))
+    assert f["card_count_1m"] == 1 and f["card_amount_1m"] == 10.0
+    # exactly 60 s after the first: the first event's tile has left the 1 min window
+    f = feats("card", step(s, CFG, st_, ev(3, T0 + 60_000)))
+    assert f["card_count_1m"] == 1  # only e2
+    assert f["card_count_1h"] == 2 and f["card_count_24h"] == 2
+    assert f["card_since_last_s"] == pytest.approx(0.001)
+
+
+def test_24h_window_edge_and_tile_granularity() -> None:
+    s = SPECS["account"]
+    st_ = EntityState(s, CFG)
+    step(s, CFG, st_, ev(1, T0 + 3_599_999, amount=100.0))  # last ms of the first hour tile
+    f = feats("account", step(s, CFG, st_, ev(2, T0 + 86_400_000 + 3_599_999, amount=50.0)))
+    assert f["account_count_24h"] == 0  # 24 h later, in the tile 24 on: out
+    st_ = EntityState(s, CFG)
+    step(s, CFG, st_, ev(1, T0 + 3_600_000, amount=100.0))
+    f = feats("account", step(s, CFG, st_, ev(2, T0 + 86_400_000 + 3_599_999, amount=50.0)))
+    # the first event is 24 h minus 1 ms before: in (its tile is 23 tiles back)
+    assert f["account_count_24h"] == 1 and f["account_amount_24h"] == 100.0
+    assert f["account_amount_ratio_24h"] == pytest.approx(0.5)
+
+
+def test_distinct_counts_small_amounts_and_first_seen() -> None:
+    s = SPECS["account"]
+    st_ = EntityState(s, CFG)
+    f = feats("account", step(s, CFG, st_, ev(1, T0, device="d1", country="DE")))
+    assert f["account_new_device"] is None and f["account_since_last_s"] is None  # no history yet
+    step(s, CFG, st_, ev(2, T0 + 1000, device="d2", country="FR", merchant="m2"))
+    f = feats("account", step(s, CFG, st_, ev(3, T0 + 2000, device="d1", country="ES")))
+    assert f["account_distinct_device_1m"] == 2 and f["account_distinct_country_1m"] == 2
+    assert f["account_distinct_merchant_1h"] == 2
+    assert f["account_new_device"] == 0 and f["account_new_country"] == 1
+    c = SPECS["card"]
+    cs = EntityState(c, CFG)
+    for i, amount in enumerate([1.0, 5.0, 5.01, 0.0, 2.5]):
+        step(c, CFG, cs, ev(i, T0 + i * 100, amount=amount))
+    f = feats("card", step(c, CFG, cs, ev(9, T0 + 900)))
+    assert f["card_small_1m"] == 3  # 1.00, 5.00 (at the limit) and 2.50; not 5.01, not 0
+    assert f["card_amount_1m"] == pytest.approx(13.51)
+
+
+def test_redelivered_event_counts_once_and_late_events_are_not_added() -> None:
+    s = SPECS["account"]
+    st_ = EntityState(s, CFG)
+    assert step(s, CFG, st_, ev(1, T0)).status == OK
+    before = st_.dumps()
+    assert step(s, CFG, st_, ev(1, T0)).status == DUP
+    assert st_.dumps() == before
+    step(s, CFG, st_, ev(2, T0 + 10_000))
+    # 4.999 s behind the head: out of order but within the grace; e2 is later (in a later tile)
+    f = feats("account", step(s, CFG, st_, ev(3, T0 + 5_001)))
+    assert f["account_count_1m"] == 1 and f["account_since_last_s"] == 0
+    res = step(s, CFG, st_, ev(4, T0 + 4_999))  # 5.001 s behind: late
+    assert res.status == LATE and res.watermark_ms == T0 + 10_000
+    assert feats("account", step(s, CFG, st_, ev(5, T0 + 10_000)))["account_count_1m"] == 3
+    assert step(s, CFG, st_, ev(4, T0 + 4_999)).status == DUP  # remembered, never counted
+    # only the account judges lateness: a card takes events far behind its head
+    c = SPECS["card"]
+    cs = EntityState(c, CFG)
+    step(c, CFG, cs, ev(1, T0 + 100_000))
+    assert feats("card", step(c, CFG, cs, ev(2, T0)))["card_count_24h"] == 1
+
+
+def test_state_json_round_trip_keeps_features() -> None:
+    s = SPECS["ip"]
+    a, b = EntityState(s, CFG), None
+    rng = random.Random(3)
+    for i in range(200):
+        e = ev(
+            i,
+            T0 + rng.randrange(3_600_000),
+            account=f"a{rng.randrange(9)}",
+            card=f"c{rng.randrange(5)}",
+            ip="i1",
+        )
+        b = EntityState.loads(a.dumps(), s, CFG)
+        fa, fb = step(s, CFG, a, e), step(s, CFG, b, e)
+        assert fa == fb
+        assert json.loads(a.dumps()) == json.loads(b.dumps())
+
+
+def _stream(seed: int, n: int, share: float) -> list[dict[str, Any]]:
+    events = [as_event(e) for e in simulate(SimConfig(customers=200, days=3, seed=seed, fraud_scale=20))][:n]
+    return disorder(events, share=share, late_share=0.01, grace_ms=CFG.grace_ms, seed=seed)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.05, 0.3])
+def test_engine_equals_the_brute_force_recomputation(share: float) -> None:
+    events = _stream(5, 3000, share)
+    eng = FeatureEngine(CFG)
+    got = {e["event_id"]: eng.process(e) for e in events}
+    late: set[str] = set()
+    checked = 0
+    for kind in ("account", "card", "device", "ip"):
+        want, lt = recompute(kind, [e for e in events if e["event_id"] not in late], CFG)
+        late |= lt
+        for eid, f in want.items():
+            status, features = got[eid]
+            assert status == OK and features is not None
+            assert not compare(features, f), (kind, eid, compare(features, f))
+            checked += 1
+    assert len(events) == 3000 and checked > 2 * len(events)
+    assert {eid for eid, (s, _) in got.items() if s == LATE} == late
+    assert share == 0 or late
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 200_000), st.integers(0, 3), st.sampled_from([0.5, 3.0, 7.25, 120.0])),
+             min_size=1, max_size=40),
+    st.integers(0, 30_000),
+    st.integers(1, 3),
+)  # fmt: skip
+def test_any_order_matches_the_brute_force(
+    rows: list[tuple[int, int, float]], horizon: int, dedup: int
+) -> None:
+    cfg = FeatureConfig(grace_ms=20_000, horizon_ms=horizon, dedup_ids=dedup, seen_max=2)
+    events = [ev(i, T0 + t, device=f"d{d}", country=["DE", "FR", "IT", "ES"][d], amount=a)
+              for i, (t, d, a) in enumerate(rows)]  # fmt: skip
+    events += [dict(events[0])]  # a redelivery
+    eng = FeatureEngine(cfg)
+    got = {}
+    for e in events:
+        got.setdefault(e["event_id"], eng.process(e))
+    want, late = recompute("account", events, cfg)
+    for eid, f in want.items():
+        assert not compare(got[eid][1], f)
+    assert {eid for eid, (s, _) in got.items() if s == LATE} == late
+
+
+# ---- re-keying and the chain ---------------------------------------------------------------------
+def test_murmur2_and_partitions_match_kafkas_default_partitioner() -> None:
+    from aiokafka.partitioner import DefaultPartitioner
+    from aiokafka.partitioner import murmur2 as kafka_murmur2
+
+    for key in ["", "a", "ab", "abc", "abcd", "acc-000017", "card-000001-1", "ip-nat-0003", "日本"]:
+        assert murmur2(key.encode()) == kafka_murmur2(key.encode())
+        parts = list(range(8))
+        assert partition_for(key, 8) == DefaultPartitioner()(key.encode(), parts, parts)
+
+
+def test_next_kind_skips_missing_entities_and_pack_round_trips() -> None:
+    e = ev(1, T0, card=None, device="d1", ip=None)
+    assert next_kind(e, "account") == "device" and next_kind(e, "device") is None
+    items = [new_item(e, "v1-x", T0, T0 + 3)]
+    assert unpack(pack(items), ("t", 0, 0)) == items
+    for bad in (b"", b"[]", b'{"items": [1]}', b'{"items": "x"}', b"\xff"):
+        with pytest.raises(RepartitionRecordError, match=r"t\[0\]@7"):
+            unpack(bad, ("t", 0, 7))
+
+
+def test_stage_routes_by_next_entity_and_marks_dirty_states() -> None:
+    store: dict[str, bytes] = {}
+    cache = StateCache(10)
+    stage = Stage("account", CFG, 8, cache, lambda key, ctx: store.get(key))
+    e1, e2 = ev(1, T0, device="d1", ip="i1"), ev(2, T0 + 1, card=None, device=None, ip=None)
+    res = stage.run([(new_item(e1, "v", T0, T0), "ctx1"), (new_item(e2, "v", T0, T0), "ctx2"),
+                     (new_item(dict(e1), "v", T0, T0), "ctx3")])  # fmt: skip
+    assert res.duplicates == 1
+    assert list(res.forward) == [("card", partition_for("c1", 8))]
+    assert [i["e"]["event_id"] for i, _ in res.decide] == ["e2"]
+    assert set(res.dirty) == {"a1"} and res.dirty["a1"][1] == "ctx2"
+    assert res.decide[0][0]["f"]["account_count_1m"] == 1
+    # without the cache, a state comes back from the store
+    store["a1"] = res.dirty["a1"][0].dumps()
+    cache.clear()
+    res = Stage("account", CFG, 8, cache, lambda key, ctx: store.get(key)).run(
+        [(new_item(ev(3, T0 + 2), "v", T0, T0), None)]
+    )
+    assert res.forward[("card", partition_for("c1", 8))][0]["f"]["account_count_1m"] == 2
+    assert cache.misses == 2 and cache.hits == 0
+
+
+def test_state_cache_is_an_lru() -> None:
+    c = StateCache(2)
+    a, b, d = (EntityState(SPECS["ip"], CFG) for _ in range(3))
+    c.put("a", a)
+    c.put("b", b)
+    assert c.get("a") is a
+    c.put("d", d)
+    assert c.get("b") is None and c.get("a") is a and len(c) == 2
+    assert (c.hits, c.misses) == (2, 1)
+    StateCache(0).put("x", a)
+
+
+# ---- rules and decisions -------------------------------------------------------------------------
+def test_rules_parse_validate_and_version_by_content() -> None:
+    r = parse_rule(
+        b"big", b'{"rule_id":"big","version":2,"action":"decline","when":[["event.amount",">=",1000]]}'
+    )
+    assert r is not None and r.points == 1.0
+    assert parse_rule(b"big", None) is None
+    for key, value, match in [
+        (b"x", b'{"rule_id":"y","version":1,"action":"review","when":[["event.amount",">",1]]}', "differs"),
+        (
+            b"x",
+            b'{"rule_id":"x","version":1,"action":"review","when":[["no_such_feature",">",1]]}',
+            "unknown",
+        ),
+        (
+            b"x",
+            b'{"rule_id":"x","version":1,"action":"review","when":[["event.amount",">","big"]]}',
+            "number",
+        ),
+        (b"x", b'{"rule_id":"x","version":1,"action":"review","when":[["event.country","in","DE"]]}', "list"),
+        (b"x", b'{"rule_id":"x","version":0,"action":"review","when":[["event.amount",">",1]]}', "version"),
+        (b"x", b"not json", "x"),
+    ]:
+        with pytest.raises(RuleError, match=match):
+            parse_rule(key, value)
+    a = RuleSet(DEFAULT_RULES)
+    b = RuleSet(reversed(DEFAULT_RULES))
+    assert a.version == b.version and a.version.startswith("v1-")
+    changed = RuleSet([*DEFAULT_RULES[1:], DEFAULT_RULES[0].model_copy(update={"points": 9.0})])
+    assert changed.version != a.version
+
+
+def test_rule_book_applies_updates_and_tombstones_and_keeps_history() -> None:
+    book = RuleBook(DEFAULT_RULES, keep=3)
+    v0 = book.current.version
+    rule = Rule(rule_id="card_testing", version=2, action="decline", when=[("card_small_1m", ">=", 2)])
+    v1 = book.apply(b"card_testing", rule.model_dump_json().encode()).version
+    assert v1 != v0 and v1.startswith("v2-")
+    assert book.get(v0) is not None and book.get(v1) is book.current
+    v2 = book.apply(b"card_testing", None).version
+    assert len(book.current) == len(DEFAULT_RULES) - 1
+    assert book.apply(b"nothing_here", None).version == v2
+    with pytest.raises(RuleError):
+        book.apply(b"bad", b"{}")
+    assert book.current.version == v2
+    book.apply(b"card_testing", rule.model_dump_json().encode())
+    book.apply(
+        b"x1",
+        Rule(rule_id="x1", version=1, action="review", when=[("event.amount", ">", 1)])
+        .model_dump_json()
+        .encode(),
+    )
+    assert book.get(v0) is None  # only the last three versions are kept
+
+
+def test_rules_fire_with_the_values_that_made_them_fire() -> None:
+    rs = RuleSet(DEFAULT_RULES)
+    f = dict.fromkeys(ALL_FEATURES)
+    f.update(card_small_1m=4, account_new_device=1, account_new_country=1, ip_distinct_account_1h=None)
+    e = ev(1, T0, amount=2.0)
+    hits = rs.evaluate(f, e)
+    assert [h.rule_id for h in hits] == ["card_testing", "new_device_new_country"]
+    assert hits[0].reason() == "rule card_testing@1: card_small_1m=4 >= 3"
+    assert rs.points(f, e) == 5
+    v = decide(e, f, rs, 0.01, Thresholds(0.5, 0.9))
+    assert v.decision == "decline" and v.reasons[0].startswith("rule card_testing@1")
+    quiet = dict.fromkeys(ALL_FEATURES)
+    assert decide(e, quiet, rs, 0.1, Thresholds(0.5, 0.9)).decision == "approve"
+    review = decide(e, quiet, rs, 0.6, Thresholds(0.5, 0.9))
+    assert review.decision == "review" and review.reasons == ["model score 0.600 >= review threshold 0.5"]
+    assert decide(e, quiet, rs, 0.95, Thresholds(0.5, 0.9)).decision == "decline"
+    assert decide(e, quiet, rs, None, Thresholds(0.5, 0.9)).decision == "approve"
+
+
+def test_decision_record_validates_as_a_risk_decision() -> None:
+    item = new_item(ev(1, T0), "v1-abc", T0 + 5, T0 + 7)
+    item["f"] = {"account_count_1m": 2}
+    rec = decision_record(item, decision="review", score=0.7, reasons=["r"], rule_version="v1-abc",
+                          model_version="m", decided_ms=T0 + 25)  # fmt: skip
+    d = RiskDecision.model_validate_json(json.dumps(rec))
+    assert d.features["account_count_1m"] == 2 and d.features["ip_count_1m"] is None
+    assert len(d.features) == len(ALL_FEATURES) and d.timings is not None
+    assert d.timings.produce_to_decision_ms == 20
+    assert d.same_as(d.model_copy(update={"timings": None}))
+
+
+# ---- records -----------------------------------------------------------------------------------
+def test_decode_event_says_what_is_wrong() -> None:
+    good = ev(1, T0)
+    assert decode_event(json.dumps(good).encode(), b"a1", max_record_bytes=10_000).account == "a1"
+    cases = [
+        (None, b"a1", "empty record"),
+        (b"x" * 20_000, b"a1", "20000 bytes; the limit is 10000"),
+        (b"{not json", b"a1", "not a valid JSON"),
+        (b"[1, 2]", b"a1", "JSON object|invalid risk event"),
+        (json.dumps({**good, "amount": -1}).encode(), b"a1", "amount"),
+        (json.dumps({**good, "card": None}).encode(), b"a1", "a payment needs a card"),
+        (json.dumps({**good, "type": "login"}).encode(), b"a1", "a login carries no amount"),
+        (json.dumps({**good, "country": "Germany"}).encode(), b"a1", "country"),
+        (json.dumps({**good, "event_time_ms": "soon"}).encode(), b"a1", "event_time_ms"),
+        (json.dumps({**good, "extra": 1}).encode(), b"a1", "extra"),
+        (json.dumps(good).encode(), b"a2", "differs from account"),
+    ]
+    for raw, key, match in cases:
+        with pytest.raises(InvalidRiskEventError, match=match):
+            decode_event(raw, key, max_record_bytes=10_000)
+    assert salvage_event_ids(json.dumps({**good, "amount": -1}).encode()) == ("e1", "a1")
+    assert salvage_event_ids(b"{not json") is None and salvage_event_ids(b'{"event_id": 5}') is None
+
+
+# ---- simulator -------------------------------------------------------------------------------------
+def test_simulator_is_deterministic_with_a_seed_and_labels_every_scenario() -> None:
+    cfg = SimConfig(customers=300, days=6, seed=21, fraud_scale=8)
+    a, b = simulate(cfg), simulate(cfg)
+    assert a == b
+    assert simulate(SimConfig(customers=300, days=6, seed=22, fraud_scale=8)) != a
+    times = [e["event_time_ms"] for e in a]
+    assert times == sorted(times) and len({e["event_id"] for e in a}) == len(a)
+    assert {e["scenario"] for e in a if e["label"]} == set(SCENARIOS)
+    assert all((e["scenario"] is None) == (e["label"] == 0) for e in a)
+    for e in a[:2000]:
+        decode_event(json.dumps(as_event(e)).encode(), e["account"].encode(), max_record_bytes=1 << 20)
+    ct = [e for e in a if e["scenario"] == "card_testing"]
+    assert all(e["amount"] <= 3.0 or e["amount"] > 5 for e in ct) and any(e["amount"] <= 3.0 for e in ct)
+    ato = [e for e in a if e["scenario"] == "account_takeover"]
+    assert {e["type"] for e in ato} == {"login", "transfer"} and all(
+        e["device"].startswith("dev-x-") for e in ato
+    )
+    with pytest.raises(ValueError, match="customers"):
+        SimConfig(customers=1)
+
+
+def test_disorder_moves_events_back_within_or_beyond_the_grace() -> None:
+    events = [as_event(e) for e in simulate(SimConfig(customers=50, days=1, seed=3))]
+    out = disorder(events, share=0.3, late_share=0.1, grace_ms=5_000, seed=4)
+    assert [e["event_id"] for e in out] == [e["event_id"] for e in events]
+    head: dict[str, int] = {}
+    within = late = 0
+    for e in out:
+        h = head.get(e["account"])
+        if h is not None and e["event_time_ms"] < h:
+            if h - e["event_time_ms"] <= 5_000:
+                within += 1
+            else:
+                late += 1
+        head[e["account"]] = max(h or 0, e["event_time_ms"])
+    assert within > 0 and late > 0
+    assert disorder(events, share=0, grace_ms=5_000) == events
