@@ -289,6 +289,50 @@ def test_surge_and_failover_fail_clearly_without_the_data(scenario: str, tmp_pat
 
 # ---- surge and failover: quick runs against the real broker ---------------------------------------
 @pytest.mark.integration
+def test_trace_finds_where_an_unanswered_request_went(kafka: EmbeddedKafka) -> None:
+    import asyncio
+    import base64
+    import json as json_
+
+    from aiokafka import AIOKafkaProducer
+
+    from pipeline.admin import ensure_topics
+    from pipeline.bench.surge import trace_requests
+    from pipeline.deployment import deployment_env, load_settings
+    from pipeline.topics import TopicNames
+
+    env = deployment_env(kafka.bootstrap, prefix="trace.", app_id="trace", data_dir="/tmp/unused")
+    t = TopicNames("trace.")
+
+    async def main() -> dict[str, Any]:
+        await ensure_topics(load_settings(env))
+        p = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap)
+        await p.start()
+        try:
+            for rid in ("q1", "q2", "q3", "q4"):
+                await p.send_and_wait(t.requests, json_.dumps({"request_id": rid}).encode(), key=b"u")
+            await p.send_and_wait(t.work("batch"), json_.dumps({"request": {"request_id": "q2"}}).encode())
+            raw = base64.b64encode(json_.dumps({"request_id": "q3"}).encode()).decode()
+            await p.send_and_wait(
+                t.deadletter, json_.dumps({"reason": "undecodable", "raw_b64": raw}).encode()
+            )
+            await p.send_and_wait(t.replies, json_.dumps({"request_id": "q4", "status": "ok"}).encode())
+        finally:
+            await p.stop()
+        return await trace_requests(kafka.bootstrap, t, ["q1", "q2", "q3", "q4", "q10"])
+
+    r = asyncio.run(main())
+    s = r["summary"]
+    assert s["traced"] == 5 and s["not on the request topic"] == 1, "q10 was never sent (and q1 is not q10)"
+    assert s["never forwarded to a work topic, no reply"] == 1 and s["on a work topic, no reply"] == 1
+    assert s["dead-lettered"] == 1 and s["reply_found_on_rescan (missed by the live reader)"] == 1
+    assert r["requests"]["q3"]["deadletter"][0].endswith("undecodable")
+    assert len(r["requests"]["q2"]["work"]) == 1 and r["requests"]["q2"]["work"][0].startswith(
+        "trace.work.batch["
+    )
+
+
+@pytest.mark.integration
 @pytest.mark.skipif(not BANKING77.is_file(), reason="banking77 data not present")
 def test_surge_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
     r = _run("surge", kafka, tmp_path, banking77_csv=BANKING77)
@@ -315,7 +359,7 @@ def test_surge_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
         assert step["max_degradation_level"] in (0, 1, 2, 3)
     # nothing lost on the quick path: every request answered exactly once, templates only where allowed
     assert r["replies"]["acked"] == total_sent and r["replies"]["produce_failed"] == 0
-    assert r["replies"]["missing"] == 0, r.get("worker_log_tail")
+    assert r["replies"]["missing"] == 0, (r["trace_of_unanswered"].get("summary"), r.get("worker_log_tail"))
     assert r["replies"]["duplicated"] == 0 and r["replies"]["unexpected_reply_records"] == 0
     assert r["templates"]["violations"] == {}
     assert sum(r["kinds"].values()) == total_sent and r["kinds"]["unique"] > 0.35 * total_sent
@@ -348,7 +392,7 @@ def test_failover_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
     assert r["baseline_assigned"] and r["baseline_assigned"] > 0
     # nothing lost on the quick path, through a SIGKILL, a SIGTERM and a broker restart
     assert r["acked"] == r["sent"] > 0 and r["produce_failed"] == 0
-    assert r["lost"] == 0, r["lost_examples"]
+    assert r["lost"] == 0, (r["lost_examples"], r["trace_of_lost"].get("summary"))
     assert r["answered"] == r["acked"]
     assert 0 <= r["repeats_that_differ"] <= r["repeats"] < 0.1 * r["sent"]
     for where in ("inside_windows", "outside_windows"):

@@ -61,6 +61,7 @@ from pipeline.bench.surge import (
     settled_after,
     tenants_for,
     timeline_plot,
+    trace_requests,
     unseen_questions,
     wait_answered,
 )
@@ -356,8 +357,11 @@ async def _drive(env: BenchEnv, pool: Pool, plan: Plan, rate: float, stream: Que
         await scraper.stop()
         await sender.stop()
         await reader.stop()
+    unanswered = [r.rid for r in sender.order if r.acked is not False and r.rid not in reader.by_rid]
+    traced = await trace_requests(d.bootstrap, d.topics, unanswered[:50], sec)
     return {"events": events, "baseline_assigned": baseline, "sender": sender, "reader": reader,
-            "scraper": scraper, "lag": lag, "start": t0, "end": t1, "drain_waited_s": drained}  # fmt: skip
+            "scraper": scraper, "lag": lag, "start": t0, "end": t1, "drain_waited_s": drained,
+            "trace_of_lost": traced}  # fmt: skip
 
 
 # ---- analysis ------------------------------------------------------------------------------------
@@ -561,6 +565,7 @@ def run(
                      "users_per_tier": pop.users},
         "workers": 2, "worker_startup_s": round(startup_s, 1),
         "baseline_assigned": run_["baseline_assigned"],
+        "trace_of_lost": run_["trace_of_lost"],
         "broker_same_address_after_restart": bootstrap_before == bootstrap_after,
         "duration_s": round(run_["end"] - t0, 1), "drain_waited_s": round(run_["drain_waited_s"], 1),
         **res,

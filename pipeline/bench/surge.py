@@ -63,6 +63,7 @@ from pipeline.compat import refresh_metadata
 from pipeline.dedup import normalize
 from pipeline.kafka_security import client_options
 from pipeline.settings import PRIORITIES, Settings
+from pipeline.topics import TopicNames
 
 #: realtime:interactive:batch:offline
 CLASS_MIX: tuple[tuple[str, float], ...] = (("realtime", 1), ("interactive", 4), ("batch", 4), ("offline", 1))
@@ -635,6 +636,98 @@ class Sender:
             await asyncio.wait_for(self.producer.stop(), 30)
 
 
+async def trace_requests(
+    bootstrap: str, topics: TopicNames, rids: Iterable[str], security: dict[str, Any] | None = None,
+    timeout_s: float = 60.0,
+) -> dict[str, Any]:  # fmt: skip
+    """Where requests without a reply went: every record of the request, work, dead-letter and reply
+    topics read again from the beginning by a fresh consumer, looking for each request_id. A reply
+    found now was missed by the live reader (a harness fault, reported as such)."""
+
+    wanted = {r: {"request": [], "work": [], "deadletter": [], "replies_on_rescan": 0} for r in rids}
+    if not wanted:
+        return {}
+    try:
+        return await _trace(bootstrap, topics, wanted, security, timeout_s)
+    except Exception as exc:  # a diagnosis, never a reason to lose the run's results
+        return {"error": repr(exc)}
+
+
+async def _trace(
+    bootstrap: str,
+    topics: TopicNames,
+    wanted: dict[str, Any],
+    security: dict[str, Any] | None,
+    timeout_s: float,
+) -> dict[str, Any]:
+    import base64
+
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    needles = {f'"{r}"'.encode(): r for r in wanted}
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        **(security or {}),
+    )
+    await consumer.start()
+    try:
+        await refresh_metadata(consumer)
+        names = [topics.requests, *map(topics.work, PRIORITIES), topics.deadletter, topics.replies]
+        tps = [TopicPartition(t, p) for t in names for p in sorted(consumer.partitions_for_topic(t) or ())]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        ends = await consumer.end_offsets(tps)
+        t_end = time.monotonic() + timeout_s
+        while time.monotonic() < t_end:
+            positions = [await consumer.position(tp) for tp in tps]
+            if all(pos >= ends[tp] for pos, tp in zip(positions, tps, strict=True)):
+                break
+            batch = await consumer.getmany(timeout_ms=500, max_records=5000)
+            for tp, records in batch.items():
+                for m in records:
+                    value = m.value or b""
+                    if tp.topic == topics.deadletter:
+                        with contextlib.suppress(Exception):
+                            value = base64.b64decode(json.loads(value)["raw_b64"])
+                    for needle, rid in needles.items():
+                        if needle not in value:
+                            continue
+                        where = f"{tp.topic}[{tp.partition}]@{m.offset}"
+                        w = wanted[rid]
+                        if tp.topic == topics.replies:
+                            w["replies_on_rescan"] += 1
+                        elif tp.topic == topics.requests:
+                            w["request"].append(where)
+                        elif tp.topic == topics.deadletter:
+                            with contextlib.suppress(Exception):
+                                where += ": " + str(json.loads(m.value).get("reason"))
+                            w["deadletter"].append(where)
+                        else:
+                            w["work"].append(where)
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(consumer.stop(), 10)
+    found = list(wanted.values())
+    return {
+        "summary": {
+            "traced": len(found),
+            "reply_found_on_rescan (missed by the live reader)": sum(1 for w in found if w["replies_on_rescan"]),
+            "not on the request topic": sum(1 for w in found if not w["request"]),
+            "dead-lettered": sum(1 for w in found if w["deadletter"]),
+            "on a work topic, no reply": sum(
+                1 for w in found if w["work"] and not w["replies_on_rescan"] and not w["deadletter"]
+            ),
+            "never forwarded to a work topic, no reply": sum(
+                1 for w in found if w["request"] and not w["work"] and not w["replies_on_rescan"]
+                and not w["deadletter"]
+            ),
+        },
+        "requests": dict(list(wanted.items())[:20]),
+    }  # fmt: skip
+
+
 async def wait_answered(
     sender: Sender, reader: ReplyReader, timeout_s: float, settle_s: float = 2.0
 ) -> float:
@@ -815,7 +908,10 @@ async def _drive(
         await scraper.stop()
         await sender.stop()
         await reader.stop()
+    unanswered = [r.rid for r in sender.order if r.acked is not False and r.rid not in reader.by_rid]
+    traced = await trace_requests(d.bootstrap, d.topics, unanswered[:50], sec)
     return {
+        "trace_of_unanswered": traced,
         "lag": lag,
         "windows": windows,
         "sender": sender,
@@ -1189,6 +1285,7 @@ def run(
             "(at least 8) and the pipeline's consumer-group lag on its input topics back under the first step's peak "
             "(at least 20). RSS: the worker process tree's VmRSS, scraped every 0.5 s."
         ),
+        "trace_of_unanswered": run_["trace_of_unanswered"],
         "worker_log_tail": worker_log_tail if result["replies"]["missing"] else None,
     }  # fmt: skip
 
