@@ -312,7 +312,7 @@ def stack(kafka: EmbeddedKafka, tmp_path_factory: pytest.TempPathFactory) -> Ite
     main = Deployment(
         kafka, tmp / "main", api_keys=KEYS, dedup_enabled="false", cache_enabled="false",
         degrade_enabled="false", user_rate_per_s_free="0.05", user_burst_free="1",
-        deadline_interactive_ms="30000", deadline_batch_ms="30000",
+        deadline_realtime_ms="30000", deadline_interactive_ms="30000", deadline_batch_ms="30000",
     )  # fmt: skip
     slow = Deployment(
         kafka, tmp / "slow", api_keys=KEYS, dedup_enabled="false", cache_enabled="false",
