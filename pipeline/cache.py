@@ -5,6 +5,11 @@ every worker sees every answer, and answers survive restarts through the changel
 dict. Entries expire after ``ttl_s``; beyond ``max_entries`` the least recently used are evicted.
 Recency is tracked in memory per worker (a read must not write to the changelog); creation time
 lives in the entry, so TTL holds across workers and restarts.
+
+The semantic layer can accept a cached answer by the same merge decision live merging uses
+(:mod:`pipeline.pairs`, see docs/architecture.md "Semantic dedup"): candidates come from the vector
+index (cosine at least the decision's floor) and, for Chinese questions, which MiniLM cannot embed,
+from a lexical index of character bigrams.
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from pipeline.dedup import SemanticIndex
+from pipeline.pairs import MergeDecision, lexical_keys
+
+#: Candidates a semantic lookup hands to the merge decision, from each index.
+SEARCH_CANDIDATES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +68,9 @@ class AnswerCache:
         self._lru: OrderedDict[str, None] = OrderedDict()
         self._indexed: set[str] = set()
         self._scope_of: dict[str, str] = {}  # indexed key -> its scope
+        # Chinese questions: scope -> bigram -> keys, and key -> (scope, bigrams)
+        self._lexical: dict[str, dict[str, set[str]]] = {}
+        self._lexical_keys: dict[str, tuple[str, frozenset[str]]] = {}
 
     def _fresh(self, entry: CachedAnswer, now: float) -> bool:
         return now - entry.created_ms < self.ttl_ms
@@ -78,17 +90,27 @@ class AnswerCache:
     def search(
         self,
         scope: str,
-        vector: np.ndarray,
-        threshold: float,
+        vector: np.ndarray | None,
+        threshold: float | None = None,
         accept: Callable[[CachedAnswer], bool] | None = None,
+        *,
+        text: str | None = None,
+        decision: MergeDecision | None = None,
     ) -> tuple[CachedAnswer, float] | None:
-        """Called by inference for a request with no exact hit: the most similar fresh answer in
-        ``scope`` that ``accept`` (the lexical guard against the cached question) allows.
+        """Called by inference for a request with no exact hit: a fresh answer in ``scope`` to serve.
+
+        With ``decision`` and ``text`` (the request's question): the cached question the decision
+        ranks highest among those it lets merge with ``text`` (``threshold`` is not used; ``vector``
+        may be None for a text the embedder does not read). Without: the most similar answer with
+        cosine >= ``threshold`` that ``accept`` (e.g. the lexical guard against the cached question)
+        allows. Returns the entry and the similarity a reply reports.
 
         Expired entries and entries another worker deleted are dropped from the index on the way,
         so they never shadow a usable match.
         """
-        if self.index is None:
+        if decision is not None and text is not None:
+            return self._decide(scope, vector, text, decision, accept)
+        if self.index is None or vector is None or threshold is None:
             return None
         found: dict[str, CachedAnswer] = {}
         stale: list[str] = []
@@ -111,12 +133,87 @@ class AnswerCache:
         key, sim = hit
         return found[key], sim
 
+    def _lexical_candidates(self, scope: str, text: str) -> list[str]:
+        grams = lexical_keys(text)
+        by_gram = self._lexical.get(scope)
+        if not grams or not by_gram:
+            return []
+        counts: dict[str, int] = {}
+        for g in grams:
+            for key in by_gram.get(g, ()):
+                counts[key] = counts.get(key, 0) + 1
+        need = max(1, len(grams) // 3)
+        ranked = sorted((k for k, c in counts.items() if c >= need), key=lambda k: -counts[k])
+        return ranked[:SEARCH_CANDIDATES]
+
+    def _decide(
+        self,
+        scope: str,
+        vector: np.ndarray | None,
+        text: str,
+        decision: MergeDecision,
+        accept: Callable[[CachedAnswer], bool] | None,
+    ) -> tuple[CachedAnswer, float] | None:
+        cands: dict[str, float | None] = {}
+        if vector is not None and self.index is not None:
+            cands.update(self.index.candidates(scope, vector, decision.cosine_floor, SEARCH_CANDIDATES))
+        for key in self._lexical_candidates(scope, text):
+            cands.setdefault(key, None)
+        best: tuple[float, str, CachedAnswer, float] | None = None
+        stale: list[str] = []
+        for key, cos in cands.items():
+            entry = self.get_exact(key)
+            if entry is None:
+                stale.append(key)
+                continue
+            if accept is not None and not accept(entry):
+                continue
+            verdict = decision.decide(entry.text, text, cos)
+            if verdict.merge and (best is None or verdict.score > best[0]):
+                best = (verdict.score, key, entry, verdict.similarity)
+        for key in stale:
+            self._forget(scope, key)
+        if best is None:
+            return None
+        _, key, entry, similarity = best
+        if self.index is not None:
+            self.index.touch(scope, key)
+        return entry, similarity
+
     def _forget(self, scope: str, key: str) -> None:
         if key in self._indexed and self.index is not None:
             self._indexed.discard(key)
             self._scope_of.pop(key, None)
             self.index.remove(scope, key)
+        self._unindex_lexical(key)
         self._lru.pop(key, None)
+
+    def _index_lexical(self, key: str, entry: CachedAnswer) -> bool:
+        if key in self._lexical_keys:
+            return False
+        grams = lexical_keys(entry.text)
+        if not grams:
+            return False
+        self._lexical_keys[key] = (entry.scope, grams)
+        by_gram = self._lexical.setdefault(entry.scope, {})
+        for g in grams:
+            by_gram.setdefault(g, set()).add(key)
+        return True
+
+    def _unindex_lexical(self, key: str) -> None:
+        found = self._lexical_keys.pop(key, None)
+        if found is None:
+            return
+        scope, grams = found
+        by_gram = self._lexical.get(scope, {})
+        for g in grams:
+            keys = by_gram.get(g)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del by_gram[g]
+        if not by_gram:
+            self._lexical.pop(scope, None)
 
     def put(self, key: str, entry: CachedAnswer) -> None:
         """Called by inference after a model answer: store it and index its question's vector."""
@@ -131,7 +228,7 @@ class AnswerCache:
         now = self.clock_ms()
         for key, raw in list(self.store.items()):
             known = key in self._lru
-            if key in self._indexed or (known and raw.get("vector") is None):
+            if key in self._indexed or key in self._lexical_keys or (known and raw.get("vector") is None):
                 continue
             entry = CachedAnswer.from_dict(raw)
             if self._fresh(entry, now):
@@ -152,11 +249,13 @@ class AnswerCache:
             self._unindex(key)
             self._lru.pop(key, None)
             return False
-        if key in self._indexed or raw.get("vector") is None:
+        if key in self._indexed or key in self._lexical_keys:
             return False
         try:
             entry = CachedAnswer.from_dict(raw)
         except TypeError:
+            return False
+        if entry.vector is None and not lexical_keys(entry.text):
             return False
         if not self._fresh(entry, self.clock_ms()):
             return False
@@ -174,6 +273,7 @@ class AnswerCache:
             self._unindex(key)
 
     def _unindex(self, key: str) -> None:
+        self._unindex_lexical(key)
         scope = self._scope_of.pop(key, None)
         self._indexed.discard(key)
         if scope is not None and self.index is not None:
@@ -183,6 +283,7 @@ class AnswerCache:
         return len(self._lru)
 
     def _index(self, key: str, entry: CachedAnswer) -> None:
+        self._index_lexical(key, entry)
         if entry.vector is not None and key not in self._indexed:
             if self.index is None:
                 self.index = SemanticIndex(dim=len(entry.vector), max_per_scope=self._index_capacity)
@@ -196,6 +297,7 @@ class AnswerCache:
 
     def _drop(self, key: str, entry: CachedAnswer | None = None) -> None:
         self._lru.pop(key, None)
+        self._unindex_lexical(key)
         if key in self._indexed:
             self._indexed.discard(key)
             self._scope_of.pop(key, None)

@@ -1,13 +1,13 @@
 """Semantic dedup: text normalisation, cache scopes, leader clustering and the semantic answer index.
 
-Pure logic (numpy only). The intake agent calls :func:`normalize`, :func:`scope_key` and
-:func:`exact_key` for the exact answer cache; the inference agent embeds new work items in batches,
-looks them up in a :class:`SemanticIndex` (the semantic answer cache), and calls :func:`cluster` to
-merge near-duplicates with the leaders already waiting or in flight.
+Pure logic (numpy only); see docs/architecture.md ("Semantic dedup"). The intake agent calls
+:func:`normalize`, :func:`scope_key` and :func:`exact_key` for the exact answer cache; the inference
+agent embeds new work items in batches, looks them up in a :class:`SemanticIndex` (the semantic answer
+cache) and merges near-duplicates into the leaders already waiting or in flight
+(:class:`pipeline.merge.MergeRegistry`; :func:`cluster` runs the same registry over a batch).
 
 Two requests may share one answer only within one scope (tenant, model, generation parameters), and
-only when they normalise to the same text, or their embeddings' cosine similarity is at least the
-threshold and the lexical guard (:mod:`pipeline.guard`) allows it.
+only when they normalise to the same text or the merge decision (:mod:`pipeline.pairs`) allows it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import numpy as np
 
 from pipeline.exceptions import SurgeError
 from pipeline.guard import guard_allows
+from pipeline.pairs import MergeDecision
 
 __all__ = [
     "DEFAULT_SEMANTIC_THRESHOLD",
@@ -188,8 +189,9 @@ def is_embeddable(text: str, multilingual: bool) -> bool:
 
 
 def would_merge(a: str, b: str, similarity: float, threshold: float, multilingual: bool) -> bool:
-    """The merge rule for two texts in one scope: exact normalised match, or both embeddable,
-    ``similarity >= threshold`` and the guard allows. :func:`cluster` applies the same rule."""
+    """The plain threshold rule for two texts in one scope: exact normalised match, or both
+    embeddable, ``similarity >= threshold`` and the guard allows. :func:`cluster` with a threshold
+    applies the same rule (:class:`pipeline.pairs.ThresholdDecision`)."""
     if normalize(a) == normalize(b):
         return True
     if not (is_embeddable(a, multilingual) and is_embeddable(b, multilingual)):
@@ -232,39 +234,6 @@ class Assignment:
     cluster: Cluster | None = None
 
 
-class _ScopeLeaders:
-    """The leaders of one scope: exact lookup by normalised text and a growing matrix of vectors."""
-
-    def __init__(self, dim: int) -> None:
-        self.by_text: dict[str, Cluster] = {}
-        self.embedded: list[Cluster] = []
-        self.matrix = np.zeros((16, dim), dtype=np.float32)
-
-    def add(self, leader: Cluster, embeddable: bool) -> None:
-        self.by_text.setdefault(leader.normalized, leader)
-        if embeddable and leader.vector is not None:
-            n = len(self.embedded)
-            if n == self.matrix.shape[0]:
-                self.matrix = np.concatenate([self.matrix, np.zeros_like(self.matrix)])
-            self.matrix[n] = leader.vector
-            self.embedded.append(leader)
-
-    def best(self, vector: np.ndarray, text: str, threshold: float) -> tuple[Cluster, float] | None:
-        n = len(self.embedded)
-        if n == 0:
-            return None
-        sims = self.matrix[:n] @ vector
-        order = np.argsort(-sims, kind="stable")
-        for j in order:
-            sim = float(sims[j])
-            if sim < threshold:
-                return None
-            leader = self.embedded[int(j)]
-            if guard_allows(text, leader.text)[0]:
-                return leader, sim
-        return None
-
-
 def _unit(vector: np.ndarray) -> np.ndarray:
     v = np.asarray(vector, dtype=np.float32).reshape(-1)
     norm = float(np.linalg.norm(v))
@@ -279,54 +248,51 @@ def cluster(
     leaders: Sequence[Cluster] = (),
     ids: Sequence[str] | None = None,
     multilingual: bool = False,
+    decision: MergeDecision | None = None,
 ) -> list[Assignment]:
     """Assign each item of a batch to an existing or new leader, in arrival order.
 
-    Called by the inference agent after embedding a batch of new work items, with the leaders
-    still waiting or in flight. Greedy leader clustering: each item is compared with the leaders
-    of its scope only (never with followers); it follows the most similar leader whose similarity
-    is at least ``threshold`` and that the lexical guard allows, else becomes a leader itself.
-    Why this algorithm: it is online (items arrive in a stream and must be placed at once), costs
-    O(n·k) for n items and k leaders, and since an item joins a leader only on its own similarity
-    to THAT leader, clusters cannot drift by chaining (a~b, b~c, but a not ~ c).
+    Runs :class:`pipeline.merge.MergeRegistry` (what live merging runs) with ``decision``, or with the
+    plain rule at ``threshold`` when no decision is given. Greedy leader clustering: each item is
+    compared with the leaders of its scope only (never with followers); it follows the leader the
+    decision ranks highest among those it allows, else becomes a leader itself. Why this algorithm:
+    it is online (items arrive in a stream and must be placed at once), costs O(n·k) for n items and
+    k leaders, and since an item joins a leader only on its own similarity to THAT leader, clusters
+    cannot drift by chaining (a~b, b~c, but a not ~ c).
 
-    Exact normalised matches within a scope merge regardless of the threshold. Texts the embedder
-    cannot read (see :func:`is_embeddable`) merge only by exact match.
+    Exact normalised matches within a scope always merge. Texts the embedder cannot read (see
+    :func:`is_embeddable`) get no vector: they merge by exact match, or by the decision's Chinese
+    head when it has one.
     """
+    from pipeline.merge import MergeRegistry
+
     n = len(texts)
     if len(scopes) != n or (ids is not None and len(ids) != n):
         raise ValueError(f"cluster: {n} texts but {len(scopes)} scopes and {len(ids or texts)} ids")
     vecs = np.asarray(vectors, dtype=np.float32)
     if vecs.ndim != 2 or vecs.shape[0] != n:
         raise ValueError(f"cluster: {n} texts but vectors of shape {vecs.shape}")
-    dim = vecs.shape[1]
     item_ids = list(ids) if ids is not None else [str(i) for i in range(n)]
-
-    by_scope: dict[str, _ScopeLeaders] = {}
+    registry = MergeRegistry(threshold, decision=decision)
+    clusters: dict[str, Cluster] = {}
     for leader in leaders:
-        state = by_scope.setdefault(leader.scope, _ScopeLeaders(dim))
-        state.add(leader, leader.vector is not None and is_embeddable(leader.text, multilingual))
+        embeddable = leader.vector is not None and is_embeddable(leader.text, multilingual)
+        registry.open(leader.leader_id, leader.scope, leader.text, leader.vector if embeddable else None, 0)
+        clusters.setdefault(leader.leader_id, leader)
 
     out: list[Assignment] = []
     for i, (text, scope) in enumerate(zip(texts, scopes, strict=True)):
-        state = by_scope.setdefault(scope, _ScopeLeaders(dim))
-        norm = normalize(text)
-        exact = state.by_text.get(norm)
-        if exact is not None:
-            exact.followers.append(item_ids[i])
-            out.append(Assignment(i, item_ids[i], exact.leader_id, False, 1.0, True))
+        vector = _unit(vecs[i]) if is_embeddable(text, multilingual) else None
+        found = registry.find(scope, text, vector, 0)
+        if found is not None:
+            leader, sim = found
+            clusters[leader.leader_id].followers.append(item_ids[i])
+            exact = leader.norm_text == normalize(text)
+            out.append(Assignment(i, item_ids[i], leader.leader_id, False, 1.0 if exact else sim, exact))
             continue
-        embeddable = is_embeddable(text, multilingual)
-        vector = _unit(vecs[i]) if embeddable else None
-        if vector is not None:
-            found = state.best(vector, text, threshold)
-            if found is not None:
-                leader, sim = found
-                leader.followers.append(item_ids[i])
-                out.append(Assignment(i, item_ids[i], leader.leader_id, False, sim, False))
-                continue
-        new = Cluster(item_ids[i], scope, text, vector, norm)
-        state.add(new, embeddable)
+        new = Cluster(item_ids[i], scope, text, vector)
+        registry.open(item_ids[i], scope, text, vector, 0)
+        clusters[item_ids[i]] = new
         out.append(Assignment(i, item_ids[i], item_ids[i], True, 1.0, False, new))
     return out
 
@@ -420,6 +386,27 @@ class SemanticIndex:
         if not keys:
             del self._rows[scope], self._keys[scope], self._matrix[scope]
         return True
+
+    def candidates(self, scope: str, vector: np.ndarray, floor: float, limit: int) -> list[tuple[str, float]]:
+        """Up to ``limit`` keys of ``scope`` with similarity >= ``floor``, most similar first; the
+        caller decides which (if any) is a hit and :meth:`touch` es it."""
+        rows = self._rows.get(scope)
+        if not rows:
+            return []
+        v = self._check(vector)
+        keys = self._keys[scope]
+        sims = self._matrix[scope][: len(keys)] @ v
+        found = np.flatnonzero(sims >= floor)
+        if found.size > limit:
+            found = found[np.argpartition(-sims[found], limit - 1)[:limit]]
+        found = found[np.argsort(-sims[found], kind="stable")]
+        return [(keys[int(j)], float(sims[j])) for j in found]
+
+    def touch(self, scope: str, key: str) -> None:
+        """Mark ``key`` as just used (LRU order)."""
+        rows = self._rows.get(scope)
+        if rows is not None and key in rows:
+            rows.move_to_end(key)
 
     def search(
         self,

@@ -1,12 +1,15 @@
-"""Measure semantic dedup on labelled pairs and choose its threshold.
+"""Measure semantic dedup on labelled pairs: the learned decision beside plain cosine thresholds.
 
-``surge dedup eval --pairs CSV`` calls :func:`run_dedup_eval`. The pairs are STS-B style (no header:
-``sentence1,sentence2,score`` with a score of 0-5): pairs scored 4.5 or more are paraphrases that
-should merge, pairs under 3 are different requests that must not. A pair "merges" under exactly the
-rule :func:`pipeline.dedup.cluster` applies (:func:`pipeline.dedup.would_merge`).
+``surge dedup eval --pairs CSV`` calls :func:`run_dedup_eval`; see docs/architecture.md ("Semantic
+dedup"). The pairs are STS-B style (no header: ``sentence1,sentence2,score`` with a score of 0-5):
+pairs scored 4.5 or more are paraphrases that should merge, pairs under 3 are different requests
+that must not. A pair "merges" when :class:`pipeline.merge.MergeRegistry` (what live merging runs),
+holding the first text as an open leader, lets the second join it: with the learned decision
+(:mod:`pipeline.pairs`) and with :class:`pipeline.pairs.ThresholdDecision` at each threshold. Rates
+are reported per language (``en``, ``zh``) as well as overall.
 
 :func:`intent_wrong_merge_rate` measures wrong merges on intent-labelled rows (banking77 style):
-merged pairs whose intents differ.
+merged pairs whose intents differ. :func:`decision_overhead` times the decision against embedding.
 
 Data sets are read only from paths given by the caller; nothing here ships their sentences.
 """
@@ -24,6 +27,8 @@ import numpy as np
 from pipeline.dedup import cluster, is_embeddable, normalize
 from pipeline.exceptions import SurgeError
 from pipeline.guard import guard_allows
+from pipeline.merge import MergeRegistry
+from pipeline.pairs import MergeDecision, ThresholdDecision, language
 
 EmbedFn = Callable[[Sequence[str]], np.ndarray]
 
@@ -87,58 +92,100 @@ def _rate(hits: np.ndarray, mask: np.ndarray) -> float:
     return float(hits[mask].sum()) / total if total else 0.0
 
 
+def registry_merges(
+    decision: MergeDecision, a: str, va: np.ndarray | None, b: str, vb: np.ndarray | None
+) -> bool:
+    """Whether ``b`` joins ``a`` held as an open leader in a :class:`MergeRegistry` with ``decision``."""
+    registry = MergeRegistry(decision=decision)
+    registry.open("a", "scope", a, va, 0)
+    return registry.find("scope", b, vb, 0) is not None
+
+
+def _pair_language(a: str, b: str) -> str:
+    la, lb = language(a), language(b)
+    return la if la == lb else "mixed"
+
+
+def _rates(merged: np.ndarray, scores: np.ndarray) -> dict[str, float]:
+    para, below3, below4 = (
+        scores >= PARAPHRASE_MIN_SCORE,
+        scores < DIFFERENT_BELOW_SCORE,
+        scores < NOT_SAME_BELOW_SCORE,
+    )
+    return {
+        "merge_rate_paraphrase": _rate(merged, para),
+        "wrong_merge_rate_below_3": _rate(merged, below3),
+        "wrong_merge_rate_below_4": _rate(merged, below4),
+        "wrong_merges_below_3": int(merged[below3].sum()),
+        "wrong_merges_below_4": int(merged[below4].sum()),
+    }
+
+
 def evaluate_pairs(
     pairs: Sequence[tuple[str, str, float]],
     embed: EmbedFn,
     thresholds: Sequence[float],
     multilingual: bool = False,
+    decision: MergeDecision | None = None,
 ) -> dict[str, Any]:
-    """Merge and wrong-merge rates per threshold, with and without the lexical guard.
+    """Merge and wrong-merge rates per threshold (with and without the lexical guard) and, given a
+    ``decision``, of that decision; overall and per language (``by_language``).
 
     ``merge_rate_paraphrase``: share of pairs scored >= 4.5 that merge; ``wrong_merge_rate_below_3``
-    and ``wrong_merge_rate_below_4``: share of pairs scored < 3 (< 4) that merge.
+    and ``wrong_merge_rate_below_4``: share of pairs scored < 3 (< 4) that merge. Texts the embedder
+    does not read get no vector, as in a worker.
     """
-    vectors = _embed_unique([t for a, b, _ in pairs for t in (a, b)], embed)
+    texts = [t for a, b, _ in pairs for t in (a, b)]
+    readable = [t for t in dict.fromkeys(texts) if is_embeddable(t, multilingual)]
+    vectors = _embed_unique(readable, embed) if readable else {}
     scores = np.array([s for _, _, s in pairs], dtype=np.float64)
-    sims = np.array([float(vectors[a] @ vectors[b]) for a, b, _ in pairs], dtype=np.float64)
-    exact = np.array([normalize(a) == normalize(b) for a, b, _ in pairs], dtype=bool)
-    embeddable = np.array(
-        [is_embeddable(a, multilingual) and is_embeddable(b, multilingual) for a, b, _ in pairs], dtype=bool
+    sims = np.array(
+        [float(vectors[a] @ vectors[b]) if a in vectors and b in vectors else 0.0 for a, b, _ in pairs],
+        dtype=np.float64,
     )
+    exact = np.array([normalize(a) == normalize(b) for a, b, _ in pairs], dtype=bool)
+    embeddable = np.array([a in vectors and b in vectors for a, b, _ in pairs], dtype=bool)
     allowed = np.array([guard_allows(a, b)[0] for a, b, _ in pairs], dtype=bool)
+    langs = np.array([_pair_language(a, b) for a, b, _ in pairs])
     para = scores >= PARAPHRASE_MIN_SCORE
     below3 = scores < DIFFERENT_BELOW_SCORE
-    below4 = scores < NOT_SAME_BELOW_SCORE
 
-    rows: list[dict[str, float]] = []
-    for t in thresholds:
-        close = embeddable & (sims >= t)
-        merged = exact | (close & allowed)
-        unguarded = exact | close
-        rows.append(
-            {
-                "threshold": round(float(t), 4),
-                "merge_rate_paraphrase": _rate(merged, para),
-                "wrong_merge_rate_below_3": _rate(merged, below3),
-                "wrong_merge_rate_below_4": _rate(merged, below4),
-                "wrong_merges_below_3": int(merged[below3].sum()),
-                "unguarded_merge_rate_paraphrase": _rate(unguarded, para),
-                "unguarded_wrong_merge_rate_below_3": _rate(unguarded, below3),
-                "unguarded_wrong_merge_rate_below_4": _rate(unguarded, below4),
-            }
+    def merged_by(dec: MergeDecision) -> np.ndarray:
+        return np.array(
+            [registry_merges(dec, a, vectors.get(a), b, vectors.get(b)) for a, b, _ in pairs], dtype=bool
         )
-    return {
-        "pairs": len(pairs),
-        "paraphrase_pairs": int(para.sum()),
-        "pairs_below_3": int(below3.sum()),
-        "pairs_below_4": int(below4.sum()),
-        "multilingual": multilingual,
-        "embeddable_share": float(embeddable.mean()) if len(pairs) else 0.0,
-        "exact_match_rate_paraphrase": _rate(exact, para),
-        "guard_veto_rate_paraphrase": _rate(~allowed, para),
-        "guard_veto_rate_below_3": _rate(~allowed, below3),
-        "thresholds": rows,
-    }
+
+    per_threshold = {round(float(t), 4): merged_by(ThresholdDecision(float(t))) for t in thresholds}
+    learned = merged_by(decision) if decision is not None else None
+
+    def report(mask: np.ndarray) -> dict[str, Any]:
+        rows: list[dict[str, float]] = []
+        for t, merged in per_threshold.items():
+            unguarded = exact | (embeddable & (sims >= t))
+            row: dict[str, Any] = {"threshold": t, **_rates(merged[mask], scores[mask])}
+            row.update({f"unguarded_{k}": v for k, v in _rates(unguarded[mask], scores[mask]).items()
+                        if not k.startswith("wrong_merges")})  # fmt: skip
+            rows.append(row)
+        out: dict[str, Any] = {
+            "pairs": int(mask.sum()),
+            "paraphrase_pairs": int((para & mask).sum()),
+            "pairs_below_3": int((below3 & mask).sum()),
+            "pairs_below_4": int(((scores < NOT_SAME_BELOW_SCORE) & mask).sum()),
+            "embeddable_share": float(embeddable[mask].mean()) if mask.any() else 0.0,
+            "exact_match_rate_paraphrase": _rate(exact[mask], para[mask]),
+            "guard_veto_rate_paraphrase": _rate(~allowed[mask], para[mask]),
+            "guard_veto_rate_below_3": _rate(~allowed[mask], below3[mask]),
+            "thresholds": rows,
+        }
+        if learned is not None:
+            out["learned"] = _rates(learned[mask], scores[mask])
+        return out
+
+    result = report(np.ones(len(pairs), dtype=bool))
+    result["multilingual"] = multilingual
+    result["decision"] = decision.name if decision is not None else None
+    result["by_language"] = {str(lang): report(langs == lang) for lang in sorted(set(langs.tolist()))}
+    return result
 
 
 def choose_threshold(result: dict[str, Any], max_wrong_below_3: float = 0.01) -> float:
@@ -158,12 +205,14 @@ def intent_wrong_merge_rate(
     embed: EmbedFn,
     threshold: float,
     multilingual: bool = False,
+    decision: MergeDecision | None = None,
 ) -> dict[str, Any]:
-    """Wrong merges on intent-labelled ``(text, intent)`` rows at ``threshold``.
+    """Wrong merges on intent-labelled ``(text, intent)`` rows at ``threshold``, or of ``decision``.
 
     Pairwise: over all pairs of rows that would merge (exact normalised match, or similarity >=
-    threshold and the guard allows), the share whose intents differ. Clustered: the rows fed to
-    :func:`cluster` in order, the share of followers whose intent differs from their leader's.
+    threshold and the guard allows; or the decision allows), the share whose intents differ.
+    Clustered: the rows fed to :func:`cluster` in order, the share of followers whose intent differs
+    from their leader's.
     """
     texts = [t for t, _ in rows]
     intents = np.array([i for _, i in rows])
@@ -174,7 +223,8 @@ def intent_wrong_merge_rate(
     iu, ju = np.triu_indices(n, k=1)
     embeddable = np.array([is_embeddable(t, multilingual) for t in texts], dtype=bool)
     norms = [normalize(t) for t in texts]
-    close = (sims[iu, ju] >= threshold) & embeddable[iu] & embeddable[ju]
+    floor = decision.cosine_floor if decision is not None else threshold
+    close = (sims[iu, ju] >= floor) & embeddable[iu] & embeddable[ju]
     exact = np.array([norms[i] == norms[j] for i, j in zip(iu, ju, strict=True)], dtype=bool)
     candidate = close | exact
     merged = 0
@@ -184,12 +234,16 @@ def intent_wrong_merge_rate(
     for i, j in zip(iu[candidate], ju[candidate], strict=True):
         differ = intents[i] != intents[j]
         wrong_unguarded += int(differ)
-        if norms[i] == norms[j] or guard_allows(texts[i], texts[j])[0]:
+        if decision is not None:
+            ok = decision.decide(texts[i], texts[j], float(sims[i, j])).merge
+        else:
+            ok = norms[i] == norms[j] or guard_allows(texts[i], texts[j])[0]
+        if ok:
             merged += 1
             wrong += int(differ)
         else:
             vetoed += 1
-    assignments = cluster(vecs, texts, ["s"] * n, threshold, multilingual=multilingual)
+    assignments = cluster(vecs, texts, ["s"] * n, threshold, multilingual=multilingual, decision=decision)
     followers = [a for a in assignments if not a.is_leader]
     wrong_followers = sum(1 for a in followers if intents[a.index] != intents[int(a.leader_id)])
     unguarded_total = int(candidate.sum())
@@ -210,21 +264,83 @@ def intent_wrong_merge_rate(
 
 
 def format_table(result: dict[str, Any]) -> str:
-    """A small text table of :func:`evaluate_pairs`' result."""
-    lines = [
-        f"{result['pairs']} pairs: {result['paraphrase_pairs']} scored >= 4.5, "
-        f"{result['pairs_below_3']} < 3, {result['pairs_below_4']} < 4; "
-        f"embeddable {result['embeddable_share']:.1%}, multilingual={result['multilingual']}",
-        "threshold  merge>=4.5  wrong<3  wrong<4  | no guard: merge>=4.5  wrong<3  wrong<4",
-    ]
-    for r in result["thresholds"]:
+    """A small text table of :func:`evaluate_pairs`' result: per language, the learned decision
+    (when evaluated) and each threshold."""
+    lines: list[str] = []
+    for lang, part in result.get("by_language", {"all": result}).items():
         lines.append(
-            f"{r['threshold']:9.2f}  {r['merge_rate_paraphrase']:10.1%}  "
-            f"{r['wrong_merge_rate_below_3']:7.2%}  {r['wrong_merge_rate_below_4']:7.2%}  |           "
-            f"{r['unguarded_merge_rate_paraphrase']:10.1%}  {r['unguarded_wrong_merge_rate_below_3']:7.2%}  "
-            f"{r['unguarded_wrong_merge_rate_below_4']:7.2%}"
+            f"[{lang}] {part['pairs']} pairs: {part['paraphrase_pairs']} scored >= 4.5, "
+            f"{part['pairs_below_3']} < 3, {part['pairs_below_4']} < 4; embeddable {part['embeddable_share']:.1%}"
         )
+        lines.append(
+            "  rule              merge>=4.5  wrong<3  wrong<4  | no guard: merge>=4.5  wrong<3  wrong<4"
+        )
+        if "learned" in part:
+            r = part["learned"]
+            lines.append(
+                f"  learned decision  {r['merge_rate_paraphrase']:10.1%}  {r['wrong_merge_rate_below_3']:7.2%}  "
+                f"{r['wrong_merge_rate_below_4']:7.2%}  |"
+            )
+        for r in part["thresholds"]:
+            lines.append(
+                f"  cosine >= {r['threshold']:5.2f}   {r['merge_rate_paraphrase']:10.1%}  "
+                f"{r['wrong_merge_rate_below_3']:7.2%}  {r['wrong_merge_rate_below_4']:7.2%}  |           "
+                f"{r['unguarded_merge_rate_paraphrase']:10.1%}  {r['unguarded_wrong_merge_rate_below_3']:7.2%}  "
+                f"{r['unguarded_wrong_merge_rate_below_4']:7.2%}"
+            )
     return "\n".join(lines)
+
+
+def decision_overhead(
+    embed: EmbedFn, decision: MergeDecision, texts: Sequence[str], candidates: int = 8, rounds: int = 3
+) -> dict[str, float]:
+    """Per-request cost of the decision against the embedding stage's, in milliseconds.
+
+    Embedding: batches of 32 of ``texts`` (best of ``rounds``), divided by 32. Decision: each of 32
+    new texts (its text profile not cached yet, as for a new request) decided against ``candidates``
+    leaders whose profiles are warm, with a cosine above the floor (the pairs that reach the
+    classifier; those under the floor stop at one comparison).
+    """
+    import time
+
+    batch = list(texts[:32])
+    leaders = list(texts[32 : 32 + candidates])
+    if len(batch) < 32 or len(leaders) < candidates:
+        raise ValueError(f"decision_overhead needs {32 + candidates} texts, got {len(texts)}")
+    embed(batch)  # warm up
+    embed_s = min(_timed(time.perf_counter, lambda: embed(batch)) for _ in range(rounds))
+    cos = max(decision.cosine_floor, 0.0) + 0.01
+    for leader in leaders:
+        decision.decide(leader, leaders[0], cos)
+    fresh = getattr(decision, "profile", None)
+    decide_s = []
+    for _ in range(rounds):
+        if fresh is not None:
+            fresh.cache_clear()
+            for leader in leaders:
+                decision.decide(leader, leaders[0], cos)
+
+        def run() -> None:
+            for text in batch:
+                for leader in leaders:
+                    decision.decide(leader, text, cos)
+
+        decide_s.append(_timed(time.perf_counter, run))
+    embed_ms = embed_s * 1000 / 32
+    decide_ms = min(decide_s) * 1000 / 32
+    return {
+        "embed_ms_per_request": round(embed_ms, 3),
+        "decision_ms_per_request": round(decide_ms, 3),
+        "candidates_per_request": candidates,
+        "decision_ms_per_pair": round(decide_ms / candidates, 4),
+        "overhead_share": round(decide_ms / embed_ms, 4) if embed_ms > 0 else 0.0,
+    }
+
+
+def _timed(clock: Callable[[], float], fn: Callable[[], object]) -> float:
+    start = clock()
+    fn()
+    return clock() - start
 
 
 def run_dedup_eval(
@@ -233,17 +349,23 @@ def run_dedup_eval(
     json_out: str | Path | None = None,
     embedder_path: str | None = None,
     max_wrong_below_3: float = 0.01,
+    decision: MergeDecision | None = None,
+    overhead: bool = True,
 ) -> dict[str, Any]:
-    """Evaluate a pairs file with the real embedder, print a table, choose a threshold, write JSON.
+    """Evaluate a pairs file with the real embedder: the decision (default: the shipped learned one)
+    beside each threshold, per language; print a table, choose a threshold, write JSON.
 
     Called by ``surge dedup eval --pairs CSV``. ``chosen_threshold`` is None when no threshold keeps
     the wrong-merge rate under ``max_wrong_below_3`` (``choose_error`` then says why).
     """
     from models.embedder import shared_embedder
+    from pipeline.pairs import load_decision
 
     embedder = shared_embedder(embedder_path)
+    if decision is None:
+        decision = load_decision(None, min(thresholds) if embedder_path else None)
     pairs = load_pairs(csv_path)
-    result = evaluate_pairs(pairs, embedder.embed, thresholds, multilingual=embedder.multilingual)
+    result = evaluate_pairs(pairs, embedder.embed, thresholds, embedder.multilingual, decision)
     result["pairs_file"] = str(csv_path)
     result["embedder"] = embedder.path
     try:
@@ -252,14 +374,51 @@ def run_dedup_eval(
         result["chosen_threshold"] = None
         result["choose_error"] = exc.message
     result["max_wrong_below_3"] = max_wrong_below_3
+    english = [t for a, b, _ in pairs for t in (a, b) if language(t) == "en"]
+    if overhead and len(set(english)) >= 48:
+        result["overhead"] = decision_overhead(embedder.embed, decision, list(dict.fromkeys(english)))
     print(format_table(result))
     print(
         f"chosen threshold: {result['chosen_threshold']} "
         f"(wrong-merge rate of pairs < 3 at most {max_wrong_below_3:.1%})"
     )
+    if "overhead" in result:
+        o = result["overhead"]
+        print(
+            f"decision cost: {o['decision_ms_per_request']:.3f} ms per request for {o['candidates_per_request']} "
+            f"candidates vs embedding {o['embed_ms_per_request']:.3f} ms per request (batch 32): "
+            f"{o['overhead_share']:.1%}"
+        )
     if json_out is not None:
         Path(json_out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        plot_eval(result, Path(json_out).with_suffix(".png"))
     return result
+
+
+def plot_eval(result: dict[str, Any], path: Path) -> None:
+    """Per language: paraphrases merged against pairs < 4 merged, each threshold and the decision."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = {k: v for k, v in result.get("by_language", {}).items() if k in ("en", "zh")}
+    fig, axes = plt.subplots(1, max(1, len(parts)), figsize=(6 * max(1, len(parts)), 4.5), squeeze=False)
+    for ax, (lang, part) in zip(axes[0], parts.items(), strict=False):
+        rows = part["thresholds"]
+        ax.plot([r["wrong_merge_rate_below_4"] * 100 for r in rows], [r["merge_rate_paraphrase"] * 100 for r in rows],
+                marker=".", label="cosine threshold + guard")  # fmt: skip
+        if "learned" in part:
+            r = part["learned"]
+            ax.scatter([r["wrong_merge_rate_below_4"] * 100], [r["merge_rate_paraphrase"] * 100], color="red",
+                       zorder=3, label="learned decision")  # fmt: skip
+        ax.set_title(f"{lang}: {part['pairs']} pairs ({Path(result.get('pairs_file', '')).name})")
+        ax.set_xlabel("pairs scored < 4 merged, %")
+        ax.set_ylabel("paraphrases (>= 4.5) merged, %")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def parse_thresholds(spec: str) -> list[float]:

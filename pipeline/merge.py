@@ -1,12 +1,15 @@
 """Open leaders that later requests may join: the in-flight half of semantic dedup (pure logic).
 
 A *leader* is a request that will make (or is making) a model call; a *follower* is a later
-request whose question is the same (exact normalised text, or embedding similarity at or above the
-threshold with the lexical guard's consent) in the same scope. A follower makes no model call: it
-gets the leader's answer. A leader is open from the moment it is queued until its answer is out.
+request that the merge decision (:mod:`pipeline.pairs`) lets share the leader's answer, in the same
+scope. A follower makes no model call: it gets the leader's answer. A leader is open from the moment
+it is queued until its answer is out. See docs/architecture.md ("Semantic dedup").
 
 A follower only joins a leader at least as urgent as itself (its priority rank is not lower), so a
 real-time request never waits behind a batch one.
+
+The same registry is what :func:`pipeline.dedup.cluster` and ``surge dedup eval`` run, so what is
+measured is what serves.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.dedup import guard_allows, normalize
+from pipeline.dedup import normalize
+from pipeline.pairs import MergeDecision, ThresholdDecision, Verdict
 
 
 @dataclass
@@ -31,38 +35,57 @@ class Leader:
 
 
 class MergeRegistry:
-    """Leaders open for joining, per scope."""
+    """Leaders open for joining, per scope, and the decision that lets a request join one.
 
-    def __init__(self, threshold: float) -> None:
-        self.threshold = threshold
+    ``MergeRegistry(threshold)`` keeps the plain rule (cosine at least ``threshold`` and the strict
+    guard, :class:`pipeline.pairs.ThresholdDecision`); ``MergeRegistry(decision=...)`` uses any
+    :class:`pipeline.pairs.MergeDecision`, e.g. the learned one from
+    :func:`pipeline.pairs.decision_from_settings`.
+    """
+
+    def __init__(self, threshold: float | None = None, *, decision: MergeDecision | None = None) -> None:
+        if decision is None:
+            if threshold is None:
+                raise ValueError("MergeRegistry needs a threshold or a decision")
+            decision = ThresholdDecision(threshold)
+        self.decision: MergeDecision = decision
+        self.threshold = threshold if threshold is not None else decision.cosine_floor
         self._leaders: dict[str, Leader] = {}
         self._by_scope: dict[str, list[str]] = {}
 
     def __len__(self) -> int:
         return len(self._leaders)
 
-    def find(
+    def find_verdict(
         self, scope: str, text: str, vector: np.ndarray | None, rank: int
-    ) -> tuple[Leader, float] | None:
-        """Called for each new request: the best open leader it may join, with the similarity."""
+    ) -> tuple[Leader, Verdict] | None:
+        """The open leader ``text`` may join (exact match first, else the highest-scoring one the
+        decision allows), with the decision's verdict."""
         norm = normalize(text)
-        best: tuple[Leader, float] | None = None
+        best: tuple[Leader, Verdict] | None = None
+        floor = self.decision.cosine_floor
         for lid in self._by_scope.get(scope, ()):
             leader = self._leaders[lid]
             if leader.rank > rank:
                 continue
             if leader.norm_text == norm:
-                return leader, 1.0
-            if vector is None or leader.vector is None:
-                continue
-            sim = float(np.dot(leader.vector, vector))
-            if (
-                sim >= self.threshold
-                and (best is None or sim > best[1])
-                and guard_allows(leader.text, text)[0]
-            ):
-                best = (leader, sim)
+                return leader, Verdict(True, 1.0, 1.0, "exact")
+            cos = None
+            if vector is not None and leader.vector is not None:
+                cos = float(np.dot(leader.vector, vector))
+                if cos < floor and self.decision.name == "threshold":
+                    continue
+            verdict = self.decision.decide(leader.text, text, cos)
+            if verdict.merge and (best is None or verdict.score > best[1].score):
+                best = (leader, verdict)
         return best
+
+    def find(
+        self, scope: str, text: str, vector: np.ndarray | None, rank: int
+    ) -> tuple[Leader, float] | None:
+        """Called for each new request: the best open leader it may join, with the similarity."""
+        found = self.find_verdict(scope, text, vector, rank)
+        return None if found is None else (found[0], found[1].similarity)
 
     def open(self, leader_id: str, scope: str, text: str, vector: np.ndarray | None, rank: int) -> Leader:
         """Called when a request becomes a leader (queued for a model call).
