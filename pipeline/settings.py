@@ -178,7 +178,18 @@ class Settings(BaseSettings):
     # --- dedup and caches ------------------------------------------------------------------------------
     dedup_enabled: bool = Field(True, description="merge semantically identical waiting/in-flight requests")
     cache_enabled: bool = Field(True, description="serve repeats from the exact and semantic caches")
-    semantic_threshold: float = Field(0.92, gt=0, le=1, description="cosine similarity needed to merge")
+    semantic_threshold: float = Field(
+        0.92, gt=0, le=1,
+        description="cosine similarity needed to merge under merge_decision=threshold, or for English with a custom embedder",
+    )  # fmt: skip
+    merge_decision: Literal["learned", "threshold"] = Field(
+        "learned",
+        description="learned: the shipped pair classifier (English with MiniLM, Chinese by characters); "
+        "threshold: semantic_threshold and the guard alone",
+    )
+    merge_data_dir: str | None = Field(
+        None, description="folder of retrained merge weights (surge dedup train --out-dir); default: the shipped ones"
+    )
     cache_ttl_s: float = Field(3600.0, gt=0, description="life of a cached answer, seconds")
     cache_max_entries: int = Field(100_000, ge=1, description="cache size bound; LRU eviction beyond it")
 
