@@ -159,11 +159,23 @@ def cmd_faq(args: argparse.Namespace) -> int:
 
 
 def cmd_dedup(args: argparse.Namespace) -> int:
+    if args.action == "train":
+        from models import merge_train
+
+        report = merge_train.train(args.data, args.out_dir, plot_path=args.plot)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        print(json.dumps(report["heads"], indent=2))
+        return 0
     from pipeline.dedup_eval import parse_thresholds, run_dedup_eval
+    from pipeline.pairs import decision_from_settings
 
     s = _settings()
     thresholds = parse_thresholds(args.thresholds) if args.thresholds else [s.semantic_threshold]
-    run_dedup_eval(args.pairs, thresholds, json_out=args.json, embedder_path=s.embedder_path)
+    run_dedup_eval(
+        args.pairs, thresholds, json_out=args.json, embedder_path=s.embedder_path,
+        decision=decision_from_settings(s),
+    )  # fmt: skip
     return 0
 
 
@@ -226,14 +238,21 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--data", required=True, help="CSV with text,category")
     f.set_defaults(fn=cmd_faq)
 
-    dd = sub.add_parser("dedup", help="evaluate semantic dedup on sentence pairs")
-    dd.add_argument("action", choices=["eval"])
-    dd.add_argument("--pairs", required=True, help="CSV sentence1,sentence2,score (0-5)")
-    dd.add_argument(
+    dd = sub.add_parser("dedup", help="evaluate semantic dedup on sentence pairs, or train its decision")
+    dsub = dd.add_subparsers(dest="action", required=True)
+    de = dsub.add_parser("eval", help="the merge decision beside plain cosine thresholds, per language")
+    de.add_argument("--pairs", required=True, help="CSV sentence1,sentence2,score (0-5)")
+    de.add_argument(
         "--thresholds", default=None, help="0.8,0.9 or start:stop:step; default: the configured threshold"
     )
-    dd.add_argument("--json", default=None, help="write the result here")
-    dd.set_defaults(fn=cmd_dedup)
+    de.add_argument("--json", default=None, help="write the result here (and a PNG plot beside it)")
+    de.set_defaults(fn=cmd_dedup)
+    dt = dsub.add_parser("train", help="train the learned merge decision (STS-B en/zh, banking77)")
+    dt.add_argument("--data", default="../shared/data", help="folder with stsb/ and banking77/")
+    dt.add_argument("--out-dir", default=None, help="where the weights go (default: models/merge_data)")
+    dt.add_argument("--json", default=None, help="write the training report here")
+    dt.add_argument("--plot", default=None, help="write the trade-off and calibration plot here")
+    dt.set_defaults(fn=cmd_dedup)
 
     b = sub.add_parser("bench", help="benchmarks against baselines, on the embedded broker")
     b.add_argument(
