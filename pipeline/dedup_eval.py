@@ -1,7 +1,7 @@
 """Measure semantic dedup on labelled pairs: the learned decision beside plain cosine thresholds.
 
-``surge dedup eval --pairs CSV`` calls :func:`run_dedup_eval`; see docs/architecture.md ("Semantic
-dedup"). The pairs are STS-B style (no header: ``sentence1,sentence2,score`` with a score of 0-5):
+``surge dedup eval --pairs CSV`` calls :func:`run_dedup_eval` (see docs/architecture.md,
+"Semantic dedup"). The pairs are STS-B style (no header: ``sentence1,sentence2,score`` with a score of 0-5):
 pairs scored 4.5 or more are paraphrases that should merge, pairs under 3 are different requests
 that must not. A pair "merges" when :class:`pipeline.merge.MergeRegistry` (what live merging runs),
 holding the first text as an open leader, lets the second join it: with the learned decision
