@@ -272,6 +272,8 @@ def format_table(result: dict[str, Any]) -> str:
             f"[{lang}] {part['pairs']} pairs: {part['paraphrase_pairs']} scored >= 4.5, "
             f"{part['pairs_below_3']} < 3, {part['pairs_below_4']} < 4; embeddable {part['embeddable_share']:.1%}"
         )
+        if part["pairs"] < 20:  # a handful of pairs mixing languages: no table
+            continue
         lines.append(
             "  rule              merge>=4.5  wrong<3  wrong<4  | no guard: merge>=4.5  wrong<3  wrong<4"
         )
