@@ -38,10 +38,16 @@ def changelog_config(settings: Settings, topic: str) -> dict[str, str]:
     return {"cleanup.policy": "compact"}
 
 
-async def ensure_topics(settings: Settings, extra: Iterable[str] = (), timeout_s: float = 30.0) -> list[str]:
-    """Create every surge topic, the tables' changelogs and ``extra`` ones that do not exist yet."""
+async def ensure_topics(
+    settings: Settings,
+    extra: Iterable[str] = (),
+    timeout_s: float = 30.0,
+    compacted_extra: Iterable[str] = (),
+) -> list[str]:
+    """Create every surge topic, the tables' changelogs, ``extra`` ones and ``compacted_extra`` ones
+    (compacted) that do not exist yet."""
     names = [*TopicNames(settings.topic_prefix).all(), *extra]
-    compacted = set(changelog_topics(settings))
+    compacted = set(changelog_topics(settings)) | set(compacted_extra)
     names += sorted(compacted)
     admin = AIOKafkaAdminClient(
         bootstrap_servers=settings.bootstrap_servers,

@@ -63,6 +63,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     s = _settings(role=args.role, web_port=args.web_port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     asyncio.run(ensure_topics(s))
+    if s.role == "risk":
+        from agents.risk import ensure_risk_topics
+
+        asyncio.run(ensure_risk_topics(s))
     app, rt = build_worker_app(s)
 
     if rt.inference is not None:
@@ -73,6 +77,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from agents.lifecycle import SurgeWorker
 
     worker = SurgeWorker(app, rt.lifecycle, loglevel="WARNING", quiet=True, redirect_stdouts=False)
+    # Faust's start-up spinner sets the root logger to DEBUG for good: every debug call of aiokafka and
+    # Faust would then build a log record (a tenth of a busy worker's time); no spinner, no DEBUG.
+    worker.spinner = None
     worker.execute_from_commandline()
     return 0
 
@@ -205,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(fn=cmd_kafka)
 
     w = sub.add_parser("worker", help="run a Faust worker (SURGE_* settings)")
-    w.add_argument("--role", choices=["intake", "inference", "all"], default=None)
+    w.add_argument("--role", choices=["intake", "inference", "all", "risk"], default=None)
     w.add_argument("--web-port", type=int, default=None)
     w.set_defaults(fn=cmd_worker)
 
@@ -256,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks against baselines, on the embedded broker")
     b.add_argument(
-        "scenario", choices=["batching", "merging", "priority", "overhead", "gateway", "surge", "failover"]
+        "scenario",
+        choices=["batching", "merging", "priority", "overhead", "gateway", "surge", "failover", "risk"],
     )
     b.add_argument("--quick", action="store_true", help="a small run (what the tests use)")
     b.add_argument("--json", default=None)
@@ -269,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("gateway", help="OpenAI-compatible HTTP gateway")
     g.add_argument("--port", type=int, default=None)
     g.set_defaults(fn=cmd_gateway)
+
+    from pipeline.riskops import add_parser as add_risk_parser
+
+    add_risk_parser(sub)
     return p
 
 

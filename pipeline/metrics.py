@@ -36,7 +36,64 @@ METRIC_NAMES = (
     "surge_deadletter_total",
     "surge_replies_repeated_total",
     "surge_embed_batch_size",
+    *(
+        "surge_risk_decision_latency_seconds",
+        "surge_risk_decisions_total",
+        "surge_risk_rule_hits_total",
+        "surge_risk_late_events_total",
+        "surge_risk_feature_cache_total",
+    ),
 )
+#: produce-to-decision latency of the risk path (its SLA is 200 ms, its target 100 ms)
+RISK_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
+RISK_OUTCOMES = ("approve", "review", "decline", "error")
+
+
+@dataclass(frozen=True)
+class RiskMetrics:
+    """The risk path's metrics (docs/architecture.md, "Risk: operation")."""
+
+    decision_latency: Histogram
+    decisions: Counter
+    rule_hits: Counter
+    late_events: Counter
+    feature_cache: Counter
+
+
+def create_risk_metrics(r: CollectorRegistry) -> RiskMetrics:
+    """The risk metrics in ``r``, with zero-valued children for the fixed label values."""
+    from pipeline.risk.records import ENTITY_KINDS
+    from pipeline.risk.rules import DEFAULT_RULES
+
+    m = RiskMetrics(
+        decision_latency=Histogram(
+            "surge_risk_decision_latency_seconds",
+            "Seconds from an event's produce time to its decision",
+            buckets=RISK_LATENCY_BUCKETS_S,
+            registry=r,
+        ),
+        decisions=Counter("surge_risk_decisions", "Risk decisions sent", ["decision"], registry=r),
+        rule_hits=Counter("surge_risk_rule_hits", "Risk rules that fired", ["rule"], registry=r),
+        late_events=Counter(
+            "surge_risk_late_events",
+            "Risk events later than the grace period (sent to surge.risk.late)",
+            registry=r,
+        ),
+        feature_cache=Counter(
+            "surge_risk_feature_cache",
+            "Entity state reads, by whether the feature cache served them",
+            ["kind", "result"],
+            registry=r,
+        ),
+    )
+    for outcome in RISK_OUTCOMES:
+        m.decisions.labels(decision=outcome)
+    for rule in DEFAULT_RULES:
+        m.rule_hits.labels(rule=rule.rule_id)
+    for kind in ENTITY_KINDS:
+        for result in ("hit", "miss"):
+            m.feature_cache.labels(kind=kind, result=result)
+    return m
 
 
 @dataclass(frozen=True)
@@ -57,6 +114,7 @@ class Metrics:
     deadletter: Counter
     replies_repeated: Counter
     embed_batch_size: Histogram
+    risk: RiskMetrics
     registry: CollectorRegistry
 
 
@@ -113,6 +171,7 @@ def create_metrics(registry: CollectorRegistry | None = None) -> Metrics:
             registry=r,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
         ),
+        risk=create_risk_metrics(r),
         registry=r,
     )
     # children for the fixed label values, so that rates and alerts see zeros instead of nothing

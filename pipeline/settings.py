@@ -58,7 +58,9 @@ class Settings(BaseSettings):
         256, ge=1, description="records Faust buffers per partition before pausing its fetch (backpressure)"
     )
     web_port: int = Field(6066, ge=0, le=65535, description="worker web port serving /metrics")
-    role: Literal["intake", "inference", "all"] = Field("all", description="which agents this worker runs")
+    role: Literal["intake", "inference", "all", "risk"] = Field(
+        "all", description="which agents this worker runs (all: intake and inference; risk: the risk path)"
+    )
     worker_id: str = Field("", description="name of this worker in logs; defaults to host:pid")
     static_membership: bool = Field(
         True,
@@ -260,6 +262,54 @@ class Settings(BaseSettings):
     )
     gateway_timeout_ms: int = Field(30_000, gt=0, description="longest the gateway waits for a reply, ms")
 
+    # --- risk (docs/architecture.md, "Risk") -------------------------------------------------------------
+    risk_grace_ms: int = Field(
+        5_000,
+        ge=0,
+        le=86_400_000,
+        description="an event more than this behind its account's latest is late, ms",
+    )
+    risk_horizon_ms: int = Field(
+        60_000,
+        ge=0,
+        le=86_400_000,
+        description="window tiles are kept this long beyond the window behind an entity's latest event, ms",
+    )
+    risk_small_amount: float = Field(
+        5.0, gt=0, description="amounts at or below this count as small (card testing), currency units"
+    )
+    risk_dedup_ids: int = Field(
+        16, ge=1, le=4096, description="event ids each entity remembers so a redelivered event counts once"
+    )
+    risk_seen_max: int = Field(
+        64, ge=1, le=4096, description="devices and countries an account remembers for first-seen features"
+    )
+    risk_batch_max_records: int = Field(
+        500,
+        ge=1,
+        le=10_000,
+        description="most records a risk stage processes at once (one broker round trip)",
+    )
+    risk_batch_wait_ms: float = Field(
+        5.0, ge=0, le=1000, description="once a record arrived, a risk stage waits this long for more, ms"
+    )
+    risk_feature_cache_entries: int = Field(
+        200_000, ge=0, description="entity states kept decoded in memory per risk stage; 0 = no cache"
+    )
+    risk_model_enabled: bool = Field(True, description="score risk events with the model (else rules only)")
+    risk_model_path: str | None = Field(
+        None, description="folder written by `surge risk train`; default: the packaged model"
+    )
+    risk_review_score: float | None = Field(
+        None, gt=0, lt=1, description="model score from which an event is reviewed; default: the model's own"
+    )
+    risk_decline_score: float | None = Field(
+        None, gt=0, le=1, description="model score from which an event is declined; default: the model's own"
+    )
+    risk_publish_default_rules: bool = Field(
+        True, description="a risk worker that finds surge.risk.rules empty publishes the default rules"
+    )
+
     @model_validator(mode="after")
     def _check_combinations(self) -> Settings:
         if self.base_batch_size > self.max_batch_size:
@@ -287,6 +337,15 @@ class Settings(BaseSettings):
             raise ValueError(f"model={self.model!r} needs model_path (SURGE_MODEL_PATH), got None")
         if self.model == "remote" and not self.remote_base_url:
             raise ValueError(f"model={self.model!r} needs remote_base_url, got None")
+        if (
+            self.risk_review_score is not None
+            and self.risk_decline_score is not None
+            and self.risk_review_score >= self.risk_decline_score
+        ):
+            raise ValueError(
+                f"risk_review_score={self.risk_review_score} must be below "
+                f"risk_decline_score={self.risk_decline_score}"
+            )
         self._check_security()
         return self
 

@@ -31,6 +31,20 @@ class TopicNames:
     def risk_decisions(self) -> str:
         return f"{self.prefix}risk.decisions"
 
+    @property
+    def risk_rules(self) -> str:
+        """Compacted, keyed by rule id: the rules every risk worker applies."""
+        return f"{self.prefix}risk.rules"
+
+    @property
+    def risk_late(self) -> str:
+        """Risk events later than the grace period."""
+        return f"{self.prefix}risk.late"
+
+    def risk(self) -> list[str]:
+        """The risk path's topics (the rules topic is compacted)."""
+        return [self.risk_events, self.risk_decisions, self.risk_rules, self.risk_late]
+
     def work(self, priority: str) -> str:
         """Work topic of one priority class."""
         if priority not in PRIORITIES:

@@ -40,7 +40,7 @@ class FeatureConfig:
     #: amounts at or below this (and above 0) count as small
     small_amount_cents: int = 500
     #: ids of an entity's last events kept to recognise a redelivered event
-    dedup_ids: int = 32
+    dedup_ids: int = 16
     #: devices and countries an account remembers for the first-seen features
     seen_max: int = 64
 
@@ -104,13 +104,17 @@ class EntityState:
         self.recent: deque[str] = deque(maxlen=cfg.dedup_ids)
 
     def dumps(self) -> bytes:
-        """Compact JSON bytes (what the RocksDB table and its changelog hold)."""
-        tiles = [
-            [[idx, t[0], t[1], t[2], *(sorted(s) for s in t[3:])] for idx, t in ts.items()]
-            for ts in self.tiles
-        ]
+        """Compact JSON bytes (what the RocksDB table and its changelog hold): ``{"h": head, "t": per
+        window [[tile index, [count, cents, small, [values], ...]], ...], "s": seen, "r": recent ids}``."""
         return json.dumps(
-            {"h": self.head, "t": tiles, "s": self.seen, "r": list(self.recent)}, separators=(",", ":")
+            {
+                "h": self.head,
+                "t": [list(ts.items()) for ts in self.tiles],
+                "s": self.seen,
+                "r": list(self.recent),
+            },
+            separators=(",", ":"),
+            default=list,  # the sets of distinct values
         ).encode()
 
     @classmethod
@@ -118,9 +122,7 @@ class EntityState:
         obj = json.loads(data)
         st = cls(spec, cfg)
         st.head = obj["h"]
-        st.tiles = [
-            {row[0]: [row[1], row[2], row[3], *(set(v) for v in row[4:])] for row in ts} for ts in obj["t"]
-        ]
+        st.tiles = [{idx: [t[0], t[1], t[2], *map(set, t[3:])] for idx, t in ts} for ts in obj["t"]]
         st.seen = {f: list(obj["s"].get(f, [])) for f in spec.seen}
         st.recent.extend(obj["r"])
         return st
@@ -200,8 +202,9 @@ def step(spec: EntitySpec, cfg: FeatureConfig, state: EntityState, ev: dict[str,
             else:
                 for k in range(3, 3 + nf):
                     out.append(len(set().union(*(tile[k] for tile in chosen))))
-            # prune tiles below the floor (no later event reads them), then add the event
-            if len(tiles) >= kept:
+            # prune tiles below the floor (no later event reads them): tiles are mostly added in
+            # order, so the first is the oldest; a full sweep when there are more than kept
+            if next(iter(tiles)) < floor or len(tiles) > kept:
                 for idx in [i for i in tiles if i < floor]:
                     del tiles[idx]
         if hi >= floor:

@@ -13,7 +13,8 @@ Records on the repartition topics carry several items each (all bound for the re
 one record per target partition per batch, which keeps the per-record cost of the broker and of
 Faust off the per-event path.
 
-An item (JSON): ``e`` the event, ``f`` the features so far, ``rv`` the rule-set version pinned at the
+An item (JSON): ``e`` the event, ``f`` the features so far (each visited kind's values, in
+:data:`pipeline.risk.features.NAMES` order), ``rv`` the rule-set version pinned at the
 account stage (so a decision repeated after a crash evaluates the same rules), ``ts`` the event
 record's produce time and ``rx`` when the account stage read it.
 """
@@ -28,7 +29,7 @@ from functools import lru_cache
 from typing import Any
 
 from pipeline.exceptions import SurgeError
-from pipeline.risk.features import ALL_FEATURES, DUP, LATE, NAMES, SPECS, EntityState, FeatureConfig, step
+from pipeline.risk.features import DUP, LATE, NAMES, SPECS, EntityState, FeatureConfig, step
 from pipeline.risk.records import ENTITY_KINDS
 
 #: the kinds that are reached through a repartition topic
@@ -109,9 +110,16 @@ def unpack(raw: bytes | None, where: tuple[str, int, int]) -> list[dict[str, Any
     return items
 
 
-def full_features(partial: dict[str, Any]) -> dict[str, Any]:
-    """Every feature name, None where the event had no such entity."""
-    return {name: partial.get(name) for name in ALL_FEATURES}
+def full_features(partial: dict[str, list[Any]]) -> dict[str, Any]:
+    """Every feature by name (``partial`` holds each visited kind's values in :data:`NAMES` order),
+    None where the event had no such entity."""
+    out: dict[str, Any] = {}
+    for kind in ENTITY_KINDS:
+        values = partial.get(kind)
+        out.update(
+            zip(NAMES[kind], values, strict=True) if values is not None else dict.fromkeys(NAMES[kind])
+        )
+    return out
 
 
 class StateCache:
@@ -214,7 +222,7 @@ class Stage:
             if res.status == LATE:
                 out.late.append((item, res.watermark_ms or 0, ctx))
                 continue
-            item["f"].update(zip(self.names, res.features or (), strict=True))
+            item["f"][kind] = res.features
             nxt = next_kind(ev, kind)
             if nxt is None:
                 out.decide.append((item, ctx))

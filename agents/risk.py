@@ -1,0 +1,544 @@
+"""The risk agents: four stages (account, card, device, ip) over RocksDB tables, the rules reader,
+and the worker that runs them (``surge worker --role risk``). docs/architecture.md, "Risk".
+
+Thin wiring of :mod:`pipeline.risk`: each stage reads its topic (``surge.risk.events`` for the
+account, a repartition topic for the others), runs :class:`pipeline.risk.stages.Stage` on what it
+read, sends the items on, the decisions and the late events, waits until the broker has
+acknowledged all of it, then writes the changed entity states to its table (and so its changelog),
+and only then acks the records it read. A crash at any point leaves either nothing or the outputs
+without the state: the records are read again, recomputed from the same state, and the outputs are
+repeated identically; an entity that already holds the event's id skips it (its outputs are known to
+be on the broker).
+
+Records are taken in batches of whatever has arrived while the previous batch was in flight (at most
+``risk_batch_max_records``): one broker round trip per batch, not per event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import faust
+from faust.types import EventT
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from agents.runtime import Runtime, event_context
+from pipeline.admin import ensure_topics
+from pipeline.app import create_app
+from pipeline.kafka_security import client_options
+from pipeline.metrics import create_metrics
+from pipeline.records import now_ms
+from pipeline.risk.decide import Thresholds, decide
+from pipeline.risk.features import FeatureConfig, cents
+from pipeline.risk.records import ENTITY_KINDS, InvalidRiskEventError, decode_event, salvage_event_ids
+from pipeline.risk.rules import DEFAULT_RULES, RuleBook, RuleError, RuleSet
+from pipeline.risk.stages import (
+    REKEYED_KINDS,
+    RepartitionRecordError,
+    Stage,
+    StageResult,
+    StateCache,
+    decision_record,
+    full_features,
+    new_item,
+    pack,
+    unpack,
+)
+from pipeline.settings import Settings
+
+log = logging.getLogger("surge.risk")
+
+#: how long a stage waits for a pinned rule-set version it has not read yet
+RULES_WAIT_S = 1.0
+#: batches of one stage whose outputs may be in flight at once
+MAX_SETTLING = 8
+
+
+def table_name(kind: str) -> str:
+    return f"risk-{kind}"
+
+
+def repartition_topic(settings: Settings, kind: str) -> str:
+    """The internal topic that re-keys events by ``kind`` (named like Kafka Streams' repartition topics)."""
+    return f"{settings.app_id}-risk-by-{kind}-repartition"
+
+
+def internal_topics(settings: Settings) -> tuple[list[str], list[str]]:
+    """``(plain, compacted)`` topics a risk worker needs besides the shared ones."""
+    from pipeline.topics import TopicNames
+
+    t = TopicNames(settings.topic_prefix)
+    plain = [
+        t.risk_events,
+        t.risk_decisions,
+        t.risk_late,
+        *(repartition_topic(settings, k) for k in REKEYED_KINDS),
+    ]
+    compacted = [t.risk_rules, *(f"{settings.app_id}-{table_name(k)}-changelog" for k in ENTITY_KINDS)]
+    return plain, compacted
+
+
+async def ensure_risk_topics(settings: Settings) -> list[str]:
+    """Create the risk topics, repartition topics and table changelogs that do not exist yet."""
+    plain, compacted = internal_topics(settings)
+    return await ensure_topics(settings, extra=plain, compacted_extra=compacted)
+
+
+def feature_config(s: Settings) -> FeatureConfig:
+    return FeatureConfig(
+        grace_ms=s.risk_grace_ms, horizon_ms=s.risk_horizon_ms, small_amount_cents=cents(s.risk_small_amount),
+        dedup_ids=s.risk_dedup_ids, seen_max=s.risk_seen_max,
+    )  # fmt: skip
+
+
+class _Batches:
+    """Records read but not yet processed: the reader appends, the processor takes all there is."""
+
+    def __init__(self, max_records: int) -> None:
+        self.max = max_records
+        self.items: list[EventT] = []
+        self.ready = asyncio.Event()
+        self.space = asyncio.Event()
+        self.space.set()
+        self.full = asyncio.Event()
+
+    async def put(self, event: EventT) -> None:
+        while len(self.items) >= 2 * self.max:
+            self.space.clear()
+            await self.space.wait()
+        self.items.append(event)
+        self.ready.set()
+        if len(self.items) >= self.max:
+            self.full.set()
+
+    async def take(self, linger_s: float = 0.0) -> list[EventT]:
+        """What has arrived (at most ``max``): waits for a first record, then up to ``linger_s`` more
+        for the batch to fill (bigger batches: fewer broker records and table writes per event)."""
+        await self.ready.wait()
+        if linger_s > 0 and len(self.items) < self.max:
+            self.full.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.full.wait(), linger_s)
+        batch = self.items[: self.max]
+        del self.items[: self.max]
+        if not self.items:
+            self.ready.clear()
+        self.space.set()
+        return batch
+
+
+class RiskAgents:
+    """State of the risk path in one worker: rules, model, stages, tables."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        s = self.s = rt.settings
+        self.metrics = rt.metrics.risk
+        self.cfg = feature_config(s)
+        self.book = RuleBook()
+        self.rules_ready = asyncio.Event()
+        self._rules_changed = asyncio.Event()
+        self.model: Any = None
+        review, decline = s.risk_review_score, s.risk_decline_score
+        if s.risk_model_enabled:
+            from models.risk import RiskModel
+
+            self.model = RiskModel.load(s.risk_model_path)
+            review = review if review is not None else self.model.meta["review_threshold"]
+            decline = decline if decline is not None else self.model.meta["decline_threshold"]
+        self.thresholds = Thresholds(review_score=review or 0.5, decline_score=decline or 0.9)
+        self.tables: dict[str, faust.Table] = {}
+        #: states serialised by a batch whose outputs the broker has not acknowledged yet
+        self.pending: dict[str, dict[str, bytes]] = {}
+        self.caches: dict[str, StateCache] = {}
+        self.stages: dict[str, Stage] = {}
+        for kind in ENTITY_KINDS:
+            table = rt.app.Table(
+                table_name(kind), default=None, partitions=s.partitions,
+                schema=faust.Schema(key_serializer="json", value_serializer="raw"),
+            )  # fmt: skip
+            self.tables[kind] = table
+            cache = self.caches[kind] = StateCache(s.risk_feature_cache_entries)
+            pending = self.pending[kind] = {}
+            self.stages[kind] = Stage(kind, self.cfg, s.partitions, cache, self._loader(table, pending))
+        self._counted = {k: (0, 0) for k in ENTITY_KINDS}
+        self.decided = 0
+
+    @staticmethod
+    def _loader(table: faust.Table, pending: dict[str, bytes]) -> Callable[[str, Any], bytes | None]:
+        def load(key: str, ctx: Any) -> bytes | None:
+            data = pending.get(key)  # written by a batch still waiting for the broker
+            if data is not None:
+                return data
+            with event_context(ctx):
+                return table.get(key)
+
+        return load
+
+    def clear_caches(self) -> None:
+        for c in self.caches.values():
+            c.clear()
+
+    # ---- rules -------------------------------------------------------------------------------------
+    def apply_rule_record(self, key: bytes | None, value: bytes | None) -> None:
+        try:
+            rs = self.book.apply(key, value)
+        except RuleError as exc:
+            log.error("%s; the rule keeps its previous version", exc.message)
+            return
+        self._rules_changed.set()
+        self._rules_changed = asyncio.Event()
+        log.info("risk rules now %s (%d rules)", rs.version, len(rs))
+
+    async def read_rules(self) -> None:
+        """Keep the rule book equal to ``surge.risk.rules`` (every partition, from the beginning)."""
+        from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+        topic = self.rt.topics.risk_rules
+        opts = client_options(self.s)
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.s.bootstrap_servers,
+            enable_auto_commit=False,
+            fetch_max_wait_ms=100,
+            **opts,
+        )
+        await consumer.start()
+        try:
+            parts: set[int] = set()
+            for _ in range(100):
+                parts = consumer.partitions_for_topic(topic) or set()
+                if parts:
+                    break
+                await consumer._client.force_metadata_update()
+                await asyncio.sleep(0.1)
+            tps = [TopicPartition(topic, p) for p in sorted(parts)]
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            end = await consumer.end_offsets(tps)
+            if not any(end.values()) and self.s.risk_publish_default_rules:
+                producer = AIOKafkaProducer(bootstrap_servers=self.s.bootstrap_servers, acks="all", **opts)
+                await producer.start()
+                try:
+                    for rule in DEFAULT_RULES:
+                        await producer.send_and_wait(
+                            topic, key=rule.rule_id.encode(), value=rule.model_dump_json().encode()
+                        )
+                finally:
+                    await producer.stop()
+                log.info("surge.risk.rules was empty: published the %d default rules", len(DEFAULT_RULES))
+                end = await consumer.end_offsets(tps)
+            while True:
+                batch = await consumer.getmany(timeout_ms=200)
+                for records in batch.values():
+                    for rec in records:
+                        self.apply_rule_record(rec.key, rec.value)
+                if not self.rules_ready.is_set():
+                    positions = {tp: await consumer.position(tp) for tp in tps}
+                    if all(positions[tp] >= end[tp] for tp in tps):
+                        self.rules_ready.set()
+                        print(
+                            f"surge risk ready: rules {self.book.current.version} ({len(self.book.current)}), "
+                            f"model {self.model.version if self.model else 'off'}",
+                            flush=True,
+                        )
+        finally:
+            await consumer.stop()
+
+    async def ruleset(self, version: str) -> tuple[RuleSet, str | None]:
+        """The rule set an item was pinned to, waiting briefly for a version not read yet; else the
+        current one and a note saying so."""
+        rs = self.book.get(version)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RULES_WAIT_S
+        while rs is None and loop.time() < deadline:
+            try:
+                await asyncio.wait_for(self._rules_changed.wait(), deadline - loop.time())
+            except TimeoutError:
+                break
+            rs = self.book.get(version)
+        if rs is not None:
+            return rs, None
+        cur = self.book.current
+        return cur, f"rules {version} not known to this worker; applied {cur.version}"
+
+    # ---- stages ------------------------------------------------------------------------------------
+    async def run_stage(self, kind: str, stream: faust.StreamT) -> None:
+        """Reader half of a stage: hands records to the processor, which takes them in batches."""
+        s = stream.noack()
+        batches = _Batches(self.s.risk_batch_max_records)
+        processor = asyncio.ensure_future(self._process_loop(kind, s, batches))
+        try:
+            async for event in s.events():
+                if processor.done():
+                    break
+                await batches.put(event)
+        finally:
+            processor.cancel()
+
+    async def _process_loop(self, kind: str, stream: faust.StreamT, batches: _Batches) -> None:
+        """Processor half: a batch is processed and its outputs sent at once; waiting for the broker,
+        writing the states and acking happen in a settle task per batch, chained in batch order, so the
+        next batch never waits for a broker round trip (at most ``MAX_SETTLING`` batches in flight)."""
+        await self.rules_ready.wait()
+        settling: list[asyncio.Future[None]] = []
+        while True:
+            events = await batches.take(self.s.risk_batch_wait_ms / 1000)
+            try:
+                futures, writes = await self.process(kind, events)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                await self._fail(kind, exc)
+                return
+            prev = settling[-1] if settling else None
+            settling.append(asyncio.ensure_future(self._settle(kind, stream, events, futures, writes, prev)))
+            settling = [f for f in settling if not f.done()]
+            if len(settling) >= MAX_SETTLING:
+                await settling[0]
+
+    async def _fail(self, kind: str, exc: BaseException) -> None:
+        # an output that cannot be written: stop the worker rather than ack what was not done
+        log.critical("risk %s stage failed (%r); stopping the worker so nothing is lost", kind, exc)
+        await self.rt.app.crash(exc)
+
+    async def _settle(
+        self,
+        kind: str,
+        stream: faust.StreamT,
+        events: Sequence[EventT],
+        futures: list[Awaitable[Any]],
+        writes: list[tuple[str, bytes, Any]],
+        prev: asyncio.Future[None] | None,
+    ) -> None:
+        """Once the batch's outputs are on the broker (and the previous batch has settled): write its
+        states to the table (and so the changelog), then ack its records."""
+        if prev is not None:
+            await asyncio.shield(prev)
+        try:
+            for fut in futures:
+                await fut
+        except Exception as exc:
+            await self._fail(kind, exc)
+            raise
+        table, pending = self.tables[kind], self.pending[kind]
+        for key, data, ctx in writes:
+            with event_context(ctx):
+                table[key] = data
+            if pending.get(key) is data:
+                del pending[key]
+        for event in events:
+            await stream.ack(event)
+
+    async def process(
+        self, kind: str, events: Sequence[EventT]
+    ) -> tuple[list[Awaitable[Any]], list[tuple[str, bytes, Any]]]:
+        """One batch of one stage: decode, run the stage, send what it made. Returns the broker's
+        acknowledgements to wait for and the states to write after them (serialised now: the next
+        batch changes them in memory)."""
+        futures: list[Awaitable[Any]] = []
+        batch: list[tuple[dict[str, Any], Any]] = []
+        if kind == "account":
+            rv = self.book.current.version
+            now = now_ms()
+            for ev in events:
+                msg = ev.message
+                try:
+                    risk_event = decode_event(msg.value, msg.key, max_record_bytes=self.s.max_record_bytes)
+                except InvalidRiskEventError as exc:
+                    futures += await self._invalid(ev, exc.message)
+                    continue
+                batch.append((new_item(risk_event.model_dump(), rv, int(msg.timestamp * 1000), now), ev))
+        else:
+            for ev in events:
+                msg = ev.message
+                try:
+                    items = unpack(msg.value, (msg.topic, msg.partition, msg.offset))
+                except RepartitionRecordError as exc:
+                    futures.append(await self.rt.deadletter(ev, "internal", exc.message))
+                    continue
+                batch += [(item, ev) for item in items]
+        res = self.stages[kind].run(batch)
+        futures += await self._emit(res)
+        pending = self.pending[kind]
+        writes = []
+        for key, (state, ctx) in res.dirty.items():
+            data = pending[key] = state.dumps()
+            writes.append((key, data, ctx))
+        self._count_cache(kind)
+        return futures, writes
+
+    def _count_cache(self, kind: str) -> None:
+        c = self.caches[kind]
+        hits, misses = self._counted[kind]
+        if c.hits > hits:
+            self.metrics.feature_cache.labels(kind=kind, result="hit").inc(c.hits - hits)
+        if c.misses > misses:
+            self.metrics.feature_cache.labels(kind=kind, result="miss").inc(c.misses - misses)
+        self._counted[kind] = (c.hits, c.misses)
+
+    async def _send(
+        self, topic: str, key: str | None, value: bytes, partition: int | None = None
+    ) -> Awaitable[Any]:
+        """Straight to Faust's producer (the transport, not a Topic: no per-record message objects);
+        the awaitable resolves when the broker has acknowledged the record."""
+        return await self.rt.app.producer.send(
+            topic, key.encode() if key is not None else None, value, partition, None, None
+        )
+
+    async def _emit(self, res: StageResult) -> list[Awaitable[Any]]:
+        futures: list[Awaitable[Any]] = []
+        for (nxt, partition), items in res.forward.items():
+            futures.append(await self._send(repartition_topic(self.s, nxt), None, pack(items), partition))
+        if res.decide:
+            rows = [(item["e"], full_features(item["f"])) for item, _ in res.decide]
+            scores = self.model.score_many(rows) if self.model is not None else [None] * len(rows)
+            decided = now_ms()
+            for (item, _), (ev, feats), score in zip(res.decide, rows, scores, strict=True):
+                rules, note = await self.ruleset(item["rv"])
+                verdict = decide(ev, feats, rules, score, self.thresholds, self.model)
+                reasons = verdict.reasons + ([note] if note else [])
+                rec = decision_record(
+                    item, decision=verdict.decision, score=verdict.score, reasons=reasons,
+                    rule_version=rules.version, model_version=self.model.version if self.model else None,
+                    decided_ms=decided,
+                )  # fmt: skip
+                futures.append(await self._send(self.rt.topics.risk_decisions, ev["account"], _dumps(rec)))
+                self.metrics.decisions.labels(decision=verdict.decision).inc()
+                for hit in verdict.hits:
+                    self.metrics.rule_hits.labels(rule=hit.rule_id).inc()
+                self.metrics.decision_latency.observe(max(0, decided - item["ts"]) / 1000)
+            self.decided += len(rows)
+        for item, watermark, ctx in res.late:
+            futures += await self._late(item, watermark, ctx)
+        return futures
+
+    async def _late(self, item: dict[str, Any], watermark: int, ctx: EventT) -> list[Awaitable[Any]]:
+        ev, msg = item["e"], ctx.message
+        late_by = watermark - ev["event_time_ms"]
+        self.metrics.late_events.inc()
+        record = {
+            "event": ev, "watermark_ms": watermark, "late_by_ms": late_by, "grace_ms": self.s.risk_grace_ms,
+            "source_partition": msg.partition, "source_offset": msg.offset,
+        }  # fmt: skip
+        now = now_ms()
+        rec = decision_record(
+            item, decision="review", score=None, rule_version=item["rv"], model_version=None, decided_ms=now,
+            reasons=[f"late_event: {late_by} ms behind the account's latest event, grace {self.s.risk_grace_ms} ms; "
+                     "scored on no features"],
+            late=True,
+        )  # fmt: skip
+        self.metrics.decisions.labels(decision="review").inc()
+        self.metrics.decision_latency.observe(max(0, now - item["ts"]) / 1000)
+        return [
+            await self._send(self.rt.topics.risk_late, ev["account"], _dumps(record)),
+            await self._send(self.rt.topics.risk_decisions, ev["account"], _dumps(rec)),
+        ]
+
+    async def _invalid(self, event: EventT, message: str) -> list[Awaitable[Any]]:
+        """An error decision (when the event id and account can be read) and a dead letter."""
+        futures = []
+        ids = salvage_event_ids(event.message.value)
+        if ids is not None:
+            eid, account = ids
+            rec = {"event_id": eid, "account": account, "decision": "error", "reasons": [message],
+                   "error": {"code": "invalid_request", "message": message}}  # fmt: skip
+            futures.append(await self._send(self.rt.topics.risk_decisions, account, _dumps(rec)))
+            self.metrics.decisions.labels(decision="error").inc()
+        futures.append(await self.rt.deadletter(event, "invalid_request", message))
+        return futures
+
+    def status(self) -> dict[str, Any]:
+        hits = sum(c.hits for c in self.caches.values())
+        reads = hits + sum(c.misses for c in self.caches.values())
+        return {
+            "rules_version": self.book.current.version,
+            "rules": len(self.book.current),
+            "model_version": self.model.version if self.model else None,
+            "decided": self.decided,
+            "feature_cache_hit_share": round(hits / reads, 4) if reads else None,
+            "feature_cache_entries": {k: len(c) for k, c in self.caches.items()},
+        }
+
+
+def _dumps(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def register(rt: Runtime) -> RiskAgents:
+    """Declare the risk tables, the four stage agents and the rules reader on ``rt.app``."""
+    risk = RiskAgents(rt)
+    app = rt.app
+
+    def stage_agent(kind: str, topic_name: str) -> None:
+        async def agent(stream: faust.StreamT) -> None:
+            await risk.run_stage(kind, stream)
+
+        agent.__name__ = f"risk_{kind}"
+        app.agent(rt.topic(topic_name), name=f"surge.risk.{kind}")(agent)
+
+    stage_agent("account", rt.topics.risk_events)
+    for kind in REKEYED_KINDS:
+        stage_agent(kind, repartition_topic(rt.settings, kind))
+
+    @app.task
+    async def risk_rules() -> None:
+        await risk.read_rules()
+
+    @app.on_partitions_revoked.connect
+    async def risk_revoked(app: faust.App, revoked: set[Any], **_: Any) -> None:
+        risk.clear_caches()
+
+    @app.on_partitions_assigned.connect
+    async def risk_assigned(app: faust.App, assigned: set[Any], **_: Any) -> None:
+        risk.clear_caches()
+
+    return risk
+
+
+def build_risk_app(settings: Settings) -> tuple[faust.App, Runtime]:
+    """A worker with the risk role only: no answer model, no answer caches."""
+    from agents.lifecycle import Lifecycle
+
+    if os.environ.get("RISK_SWITCH"):
+        import sys
+
+        sys.setswitchinterval(float(os.environ["RISK_SWITCH"]))
+    app = create_app(settings)
+    rt = Runtime(settings, app, create_metrics())
+    risk = register(rt)
+    rt.risk = risk  # type: ignore[attr-defined]
+    life = rt.lifecycle = Lifecycle(app, rt)
+
+    @app.task
+    async def announce_ready() -> None:
+        await life.watch_ready()
+
+    @app.page("/readyz")
+    async def readyz(web: faust.web.Web, request: faust.web.Request) -> faust.web.Response:
+        ready = life.ready.is_set() and risk.rules_ready.is_set()
+        return web.json({"ready": ready, "serving": life.can_serve()}, status=200 if ready else 503)
+
+    content_type = CONTENT_TYPE_LATEST.split(";")[0]
+
+    @app.page("/metrics")
+    async def metrics_page(web: faust.web.Web, request: faust.web.Request) -> faust.web.Response:
+        return web.bytes(generate_latest(rt.metrics.registry), content_type=content_type)
+
+    @app.page("/status")
+    async def status(web: faust.web.Web, request: faust.web.Request) -> faust.web.Response:
+        body: dict[str, object] = {"role": settings.role, "assigned": len(app.consumer.assignment())}
+        body.update(risk.status())
+        return web.json(body)
+
+    @app.page("/healthz")
+    async def healthz(web: faust.web.Web, request: faust.web.Request) -> faust.web.Response:
+        return web.json({"ok": True, "worker": settings.worker_id or f"{socket.gethostname()}:{os.getpid()}"})
+
+    return app, rt

@@ -1,0 +1,305 @@
+"""``surge risk ...``: simulate, train, publish rules, and the demo (docs/architecture.md, "Risk").
+
+* ``surge risk simulate --out events.jsonl``: the transaction simulator (:mod:`pipeline.risk.simulate`);
+* ``surge risk train --data events.jsonl --out DIR``: the model (:mod:`models.risk`), with its report;
+* ``surge risk rules publish --defaults | --file rules.json`` / ``surge risk rules show``;
+* ``surge risk demo``: an embedded broker, a risk worker, a simulated stream at a rate, decisions
+  printed as they arrive, a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+#: what a risk worker prints once its rules are read (the demo, the benchmark and the tests wait for it)
+RISK_READY = "surge risk ready"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    r = sub.add_parser("risk", help="real-time risk scoring: simulate, train, rules, demo")
+    rs = r.add_subparsers(dest="risk_command", required=True)
+
+    sim = rs.add_parser("simulate", help="write simulated transactions with labelled fraud (JSON lines)")
+    sim.add_argument("--out", required=True)
+    _sim_args(sim)
+    sim.set_defaults(fn=cmd_simulate)
+
+    tr = rs.add_parser("train", help="train the risk model on simulated events; prints its report")
+    tr.add_argument("--data", default=None, help="file from `surge risk simulate` (default: simulate now)")
+    tr.add_argument("--out", required=True, help="model folder (risk_model.npz, risk_model.json)")
+    tr.add_argument("--estimators", type=int, default=150)
+    tr.add_argument("--depth", type=int, default=3)
+    tr.add_argument("--train-share", type=float, default=0.7, help="earlier share of the period to fit on")
+    _sim_args(tr)
+    tr.set_defaults(fn=cmd_train)
+
+    ru = rs.add_parser("rules", help="publish or show the rules on surge.risk.rules")
+    ru.add_argument("action", choices=["publish", "show"])
+    ru.add_argument("--defaults", action="store_true", help="publish the default rules")
+    ru.add_argument("--file", default=None, help="JSON list of rules to publish")
+    ru.set_defaults(fn=cmd_rules)
+
+    d = rs.add_parser("demo", help="embedded Kafka + a risk worker + a simulated event stream")
+    d.add_argument("--n", type=int, default=3000, help="events to send")
+    d.add_argument("--rate", type=float, default=300.0, help="events per second")
+    d.add_argument("--data-dir", default=".surge-risk-demo", help="where the demo keeps broker and tables")
+    d.add_argument("--summary-json", default=None)
+    d.add_argument("--quiet", action="store_true", help="only the progress line and the summary")
+    d.add_argument("--all", action="store_true", help="print approvals too (default: review/decline only)")
+    d.set_defaults(fn=cmd_demo)
+
+
+def _sim_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--customers", type=int, default=2000)
+    p.add_argument("--days", type=float, default=14.0)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--fraud-scale", type=float, default=1.0, help="multiplies every fraud scenario's rate")
+
+
+def _sim_config(args: argparse.Namespace) -> Any:
+    from pipeline.risk.simulate import SimConfig
+
+    return SimConfig(customers=args.customers, days=args.days, seed=args.seed, fraud_scale=args.fraud_scale)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from pipeline.risk.simulate import simulate, write_jsonl
+
+    cfg = _sim_config(args)
+    events = simulate(cfg)
+    n = write_jsonl(args.out, events, cfg)
+    by = Counter(e["scenario"] or "legitimate" for e in events)
+    print(json.dumps({"events": n, "by_scenario": dict(by), "out": args.out}, indent=2))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from models.risk import train
+    from pipeline.risk.simulate import read_jsonl, simulate
+
+    if args.data:
+        events, meta = read_jsonl(args.data)
+    else:
+        cfg = _sim_config(args)
+        events, meta = simulate(cfg), dataclasses.asdict(cfg)
+    model, report = train(
+        events,
+        train_share=args.train_share,
+        n_estimators=args.estimators,
+        max_depth=args.depth,
+        sim_config=meta,
+    )
+    model.meta["command"] = (
+        "surge " + " ".join(sys.argv[1:]) if sys.argv[0].endswith(("surge", "cli.py")) else None
+    )
+    out = model.save(args.out)
+    print(json.dumps({"model_version": model.version, "out": str(out), **report}, indent=2))
+    return 0
+
+
+def cmd_rules(args: argparse.Namespace) -> int:
+    from pipeline.cli import _settings
+    from pipeline.kafka_security import client_options
+    from pipeline.risk.rules import DEFAULT_RULES, Rule, RuleBook
+    from pipeline.topics import TopicNames
+
+    s = _settings()
+    topic = TopicNames(s.topic_prefix).risk_rules
+
+    async def publish(rules: list[Rule]) -> None:
+        from aiokafka import AIOKafkaProducer
+
+        p = AIOKafkaProducer(bootstrap_servers=s.bootstrap_servers, acks="all", **client_options(s))
+        await p.start()
+        try:
+            for rule in rules:
+                await p.send_and_wait(topic, key=rule.rule_id.encode(), value=rule.model_dump_json().encode())
+        finally:
+            await p.stop()
+
+    async def show() -> RuleBook:
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        c = AIOKafkaConsumer(
+            bootstrap_servers=s.bootstrap_servers, enable_auto_commit=False, **client_options(s)
+        )
+        await c.start()
+        book = RuleBook()
+        try:
+            tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or ())]
+            c.assign(tps)
+            await c.seek_to_beginning(*tps)
+            end = await c.end_offsets(tps)
+            while any((await c.position(tp)) < end[tp] for tp in tps):
+                for records in (await c.getmany(timeout_ms=500)).values():
+                    for rec in records:
+                        book.apply(rec.key, rec.value)
+        finally:
+            await c.stop()
+        return book
+
+    if args.action == "publish":
+        if args.defaults:
+            rules = list(DEFAULT_RULES)
+        elif args.file:
+            rules = [Rule.model_validate(r) for r in json.loads(Path(args.file).read_text())]
+        else:
+            print("surge risk rules publish: give --defaults or --file", file=sys.stderr)
+            return 2
+        asyncio.run(publish(rules))
+        print(f"published {len(rules)} rules to {topic}")
+        return 0
+    book = asyncio.run(show())
+    print(json.dumps({"version": book.current.version,
+                      "rules": [r.model_dump(mode="json") for r in book.current.rules]}, indent=2))  # fmt: skip
+    return 0
+
+
+# ---- demo ---------------------------------------------------------------------------------------
+def cmd_demo(args: argparse.Namespace) -> int:
+    summary = run_risk_demo(
+        n=args.n, rate_per_s=args.rate, data_dir=Path(args.data_dir), quiet=args.quiet, show_all=args.all
+    )
+    if args.summary_json:
+        Path(args.summary_json).write_text(json.dumps(summary, indent=2))
+    return 0 if summary["decided"] == summary["sent"] else 1
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    xs = sorted(values)
+    return round(xs[min(len(xs) - 1, int(q / 100 * len(xs)))], 1)
+
+
+def demo_events(n: int, seed: int = 11) -> list[dict[str, Any]]:
+    """``n`` simulated events (a busy period of 600 customers), 2 % of them out of order and a few late."""
+    from pipeline.risk.simulate import SimConfig, disorder, simulate
+
+    days = max(0.5, n / (600 * 5.0))
+    events = simulate(SimConfig(customers=600, days=days, seed=seed, fraud_scale=4.0))[:n]
+    return disorder(events, share=0.02, late_share=0.002, grace_ms=5_000, seed=seed)
+
+
+async def _drive(
+    settings: Any, events: list[dict[str, Any]], rate: float, quiet: bool, show_all: bool
+) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from pipeline.kafka_security import client_options
+    from pipeline.risk.simulate import as_event
+    from pipeline.risk_client import RiskClient
+    from pipeline.topics import TopicNames
+
+    t = TopicNames(settings.topic_prefix)
+    sent_at: dict[str, float] = {}
+    latencies: list[float] = []
+    labels = {e["event_id"]: e for e in events}
+    bar = tqdm(total=len(events), desc="decided", unit="ev", dynamic_ncols=True)
+
+    def show(d: Any, arrived: float) -> None:
+        if d.event_id not in sent_at:
+            return
+        latencies.append((arrived - sent_at[d.event_id]) * 1000)
+        bar.update(1)
+        if quiet or (d.decision == "approve" and not show_all):
+            return
+        e = labels[d.event_id]
+        truth = f"FRAUD:{e['scenario']}" if e["label"] else "legit"
+        bar.write(
+            f"{d.decision:>8} {e['type']:<8} {e['account']} {e['amount']:>9.2f} {e['country']} "
+            f"[{truth}] score {d.score if d.score is not None else '-'}  {'; '.join(d.reasons[:2])}"
+        )
+
+    async with RiskClient(
+        settings.bootstrap_servers, events_topic=t.risk_events, decisions_topic=t.risk_decisions,
+        on_decision=show, client_options=client_options(settings),
+    ) as client:  # fmt: skip
+        futs = []
+        start = time.monotonic()
+        for i, e in enumerate(events):
+            delay = start + i / rate - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sent_at[e["event_id"]] = time.monotonic()
+            futs.append(await client.send(as_event(e)))
+        await client.producer.flush()
+        done, _ = await asyncio.wait(futs, timeout=60)
+        elapsed = time.monotonic() - start
+    bar.close()
+    decisions = [f.result() for f in done]
+    outcome = Counter(d.decision for d in decisions)
+    fraud = [d for d in decisions if labels[d.event_id]["label"]]
+    caught = sum(1 for d in fraud if d.decision in ("review", "decline"))
+    legit_flagged = sum(1 for d in decisions if not labels[d.event_id]["label"] and d.decision != "approve")
+    return {
+        "sent": len(events),
+        "decided": len(decisions),
+        "by_decision": dict(outcome),
+        "late": sum(1 for d in decisions if d.late),
+        "fraud_events": len(fraud),
+        "fraud_flagged": caught,
+        "legit_flagged": legit_flagged,
+        "rule_versions": sorted({d.rule_version for d in decisions if d.rule_version}),
+        "model_versions": sorted({d.model_version for d in decisions if d.model_version}),
+        "latency_ms": {"p50": _percentile(latencies, 50), "p99": _percentile(latencies, 99)},
+        "events_per_s": round(len(decisions) / elapsed, 1),
+        "seconds": round(elapsed, 2),
+    }
+
+
+def run_risk_demo(
+    n: int, rate_per_s: float, data_dir: Path, quiet: bool = False, show_all: bool = False
+) -> dict[str, Any]:
+    """Start Kafka and a risk worker, stream ``n`` simulated events at ``rate_per_s``, stop everything."""
+    from pipeline.broker import EmbeddedKafka
+    from pipeline.procs import WorkerProcess
+    from pipeline.settings import Settings
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    base = Settings()
+    kafka = EmbeddedKafka(data_dir / "kafka", cache_dir=base.kafka_cache_dir, version=base.kafka_version)
+    worker: WorkerProcess | None = None
+    print(f"starting Apache Kafka {base.kafka_version} (KRaft) ...", flush=True)
+    kafka.start()
+    try:
+        env = {
+            "SURGE_BROKER": f"kafka://{kafka.bootstrap}", "SURGE_DATA_DIR": str(data_dir / "tables"),
+            "SURGE_ROLE": "risk", "SURGE_APP_ID": "surge-risk-demo",
+        }  # fmt: skip
+        os.environ.update(env)
+        settings = Settings()
+        from agents.risk import ensure_risk_topics
+
+        asyncio.run(ensure_risk_topics(settings))
+        events = demo_events(n)
+        print(
+            f"Kafka at {kafka.bootstrap}; starting a risk worker (rules, model, RocksDB tables) ...",
+            flush=True,
+        )
+        worker = WorkerProcess(env, data_dir / "worker.log", role="risk").start()
+        worker.wait_ready(marker=RISK_READY)
+        print(f"worker ready; sending {len(events)} simulated events at {rate_per_s:g}/s\n", flush=True)
+        summary = asyncio.run(_drive(settings, events, rate_per_s, quiet, show_all))
+        summary["worker_log"] = str(worker.log_path)
+    finally:
+        if worker is not None:
+            worker.stop()
+        kafka.stop()
+    print(
+        f"\nsent {summary['sent']}, decided {summary['decided']} {summary['by_decision']}, late {summary['late']}\n"
+        f"fraud events {summary['fraud_events']}, flagged {summary['fraud_flagged']}; "
+        f"legitimate flagged {summary['legit_flagged']}\n"
+        f"produce-to-decision p50 {summary['latency_ms']['p50']} ms, p99 {summary['latency_ms']['p99']} ms, "
+        f"{summary['events_per_s']} events/s; rules {summary['rule_versions']}, model {summary['model_versions']}"
+    )
+    return summary

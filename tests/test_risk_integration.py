@@ -1,0 +1,221 @@
+"""The risk path on the real broker: a ``surge worker --role risk`` subprocess, events in, decisions
+out, every decision's features checked against the brute-force recomputation from the events each
+stage read (windows at their edges, out-of-order and late events, re-keying by every entity, bad
+events), rule updates without a restart, and recovery from the changelog after a SIGKILL."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agents.risk import ensure_risk_topics, feature_config
+from pipeline.bench.risk_check import check_decisions, read_arrivals
+from pipeline.metrics import scrape
+from pipeline.risk.records import RiskDecision
+from pipeline.risk.rules import Rule
+from pipeline.risk.simulate import SimConfig, as_event, disorder, simulate
+from pipeline.risk.stages import partition_for
+from pipeline.risk_client import RiskClient
+from pipeline.riskops import RISK_READY
+
+pytestmark = pytest.mark.integration
+
+T0 = 1_767_225_600_000  # 2026-01-01T00:00Z, a multiple of every tile size
+PARTITIONS = 4
+
+
+def on_partition(prefix: str, p: int, n: int = 1) -> list[str]:
+    """``n`` ids starting with ``prefix`` that Kafka's default partitioner puts on partition ``p``."""
+    out, i = [], 0
+    while len(out) < n:
+        if partition_for(f"{prefix}{i}", PARTITIONS) == p:
+            out.append(f"{prefix}{i}")
+        i += 1
+    return out
+
+
+def event(eid: str, account: str, t: int, **kw: Any) -> dict[str, Any]:
+    e = {"event_id": eid, "type": "payment", "account": account, "card": f"card-{account}", "device": None,
+         "ip": None, "amount": 20.0, "currency": "EUR", "merchant": "m1", "country": "DE", "event_time_ms": t}  # fmt: skip
+    e.update(kw)
+    return e
+
+
+async def start(deployment: Any, **env: Any) -> tuple[Any, Any, RiskClient]:
+    d = deployment(**env)
+    await ensure_risk_topics(d.settings)
+    w = d.worker(role="risk", wait=False)
+    await asyncio.to_thread(w.wait_ready, RISK_READY, 180)
+    c = RiskClient(
+        d.bootstrap, events_topic=d.topics.risk_events, decisions_topic=d.topics.risk_decisions,
+        rules_topic=d.topics.risk_rules,
+    )  # fmt: skip
+    await c.start()
+    d.clients.append(c)
+    return d, w, c
+
+
+async def decide_all(
+    c: RiskClient, events: list[dict[str, Any]], timeout_s: float = 90.0
+) -> dict[str, RiskDecision]:
+    futs = {e["event_id"]: await c.send(e) for e in events}
+    await c.producer.flush()
+    _, pending = await asyncio.wait(futs.values(), timeout=timeout_s)
+    assert not pending, f"{len(pending)} of {len(futs)} events got no decision in {timeout_s:.0f} s"
+    return {eid: f.result() for eid, f in futs.items()}
+
+
+async def test_features_at_window_edges_out_of_order_late_rekeyed_and_bad_events(deployment: Any) -> None:
+    d, w, c = await start(deployment)
+    # three accounts on three different partitions share one device and one ip
+    a = [on_partition("acct-", p)[0] for p in (0, 1, 2)]
+    shared = {"device": "dev-shared", "ip": "ip-shared"}
+    crafted = [
+        event("x1", a[0], T0, **shared),
+        event("x2", a[0], T0 + 59_999, **shared),  # same 1 min window as x1 (5 tiles on)
+        event("x3", a[0], T0 + 60_000, **shared),  # x1's tile has just left the 1 min window
+        event("x4", a[1], T0 + 60_001, **shared),
+        event("x5", a[2], T0 + 60_002, **shared, type="transfer", card=None, merchant="benef-1"),
+        event("x6", a[0], T0 + 56_000, **shared),  # 4 s behind its account: out of order, in grace
+        event("x7", a[0], T0 + 50_000, **shared),  # 10 s behind: late
+        event("x8", a[1], T0 + 3_660_001, **shared),  # 1 h later: x4's 5 min tile has left the hour
+        event("x9", a[1], T0 + 3_660_001, **shared, type="login", amount=0.0, card=None, merchant=None),
+    ]
+    sim = [as_event(e) for e in simulate(SimConfig(customers=40, days=1, seed=5, fraud_scale=30))][:250]
+    sim = disorder(sim, share=0.05, late_share=0.02, grace_ms=5_000, seed=9)
+    bad = [
+        (a[0].encode(), b"{not json"),
+        (b"someone-else", json.dumps(event("b1", a[0], T0)).encode()),  # key differs from account
+        (a[0].encode(), json.dumps(event("b2", a[0], T0, amount=-5)).encode()),
+        (
+            a[0].encode(),
+            json.dumps({k: v for k, v in event("b3", a[0], T0).items() if k != "event_id"}).encode(),
+        ),
+        (a[0].encode(), json.dumps(event("b4", a[0], T0, type="login")).encode()),  # a login with an amount
+    ]
+    errors = {eid: c.expect(eid) for eid in ("b1", "b2", "b4")}
+    decisions = {}
+    for e in crafted:  # one at a time, so that every stage sees them in this order
+        decisions[e["event_id"]] = await c.decide(e)
+    for key, raw in bad:
+        await c.send_raw(key, raw)
+    decisions |= await decide_all(c, sim)
+    err = {eid: await asyncio.wait_for(f, 30) for eid, f in errors.items()}
+
+    f = {eid: decisions[eid].features for eid in ("x1", "x2", "x3", "x6", "x8", "x9")}
+    assert f["x1"]["account_count_1m"] == 0 and f["x1"]["account_since_last_s"] is None
+    assert f["x2"]["account_count_1m"] == 1 and f["x2"]["card_amount_1m"] == 20.0
+    assert f["x3"]["account_count_1m"] == 1 and f["x3"]["account_count_1h"] == 2
+    assert f["x6"]["account_count_1m"] == 2 and f["x6"]["account_since_last_s"] == 0  # x1 + x2
+    # re-keyed: the shared ip and device saw all three accounts, whatever their partitions
+    assert decisions["x5"].features["ip_distinct_account_1m"] == 2  # x1..x4 from a0 and a1
+    assert (
+        decisions["x5"].features["device_count_1m"] == 3 and decisions["x5"].features["card_count_1m"] is None
+    )
+    assert f["x8"]["ip_count_1h"] == 0 and f["x8"]["ip_count_24h"] == 6  # x1-x6 (x7 was late)
+    assert f["x9"]["ip_count_1m"] == 1 and f["x9"]["account_since_last_s"] == 0
+    assert decisions["x7"].late and decisions["x7"].decision == "review" and not decisions["x7"].features
+    assert "late_event" in decisions["x7"].reasons[0]
+
+    for eid, dec in err.items():
+        assert dec.decision == "error" and dec.error is not None and dec.error.code == "invalid_request", eid
+    assert "differs from account" in err["b1"].error.message  # type: ignore[union-attr]
+    assert "amount" in err["b2"].error.message and "login carries no amount" in err["b4"].error.message  # type: ignore[union-attr]
+
+    arrivals = await read_arrivals(d.settings)
+    report = check_decisions(
+        arrivals, decisions.values(), feature_config(d.settings), [e["event_id"] for e in crafted + sim]
+    )
+    assert report["mismatched_decisions"] == 0, report["mismatch_examples"]
+    assert report["missing"] == 0 and report["late_wrong"] == 0
+    assert report["late_expected"] >= 2 and report["feature_values_checked"] > 10_000
+    late = await d.read_topic(d.topics.risk_late, min_count=report["late_expected"])
+    assert {json.loads(r.value)["event"]["event_id"] for r in late} == {
+        eid for eid, dec in decisions.items() if dec.late
+    }
+    dead = await d.read_topic(d.topics.deadletter, min_count=len(bad))
+    assert len(dead) == len(bad) and all(json.loads(r.value)["reason"] == "invalid_request" for r in dead)
+
+    m = scrape(w.metrics())
+    decided = sum(v for (n, _), v in m.items() if n == "surge_risk_decisions_total")
+    assert decided == len(decisions) + len(err)
+    assert m[("surge_risk_late_events_total", ())] == report["late_expected"]
+    assert m[("surge_risk_decision_latency_seconds_count", ())] == len(decisions)
+    hits = sum(
+        v for (n, lab), v in m.items() if n == "surge_risk_feature_cache_total" and ("result", "hit") in lab
+    )
+    assert hits > 0
+
+
+async def test_rule_update_applies_on_every_partition_within_a_second(deployment: Any) -> None:
+    _, _, c = await start(deployment)
+    accounts = [on_partition("rules-", p)[0] for p in range(PARTITIONS)]
+    before = await c.decide(event("r0", accounts[0], T0, type="transfer", card=None, amount=150.0))
+    assert before.decision == "approve" and before.rule_version
+    rule = Rule(rule_id="big_transfer", version=1, action="decline", points=5, description="test",
+                when=[("event.type", "==", "transfer"), ("event.amount", ">=", 100)])  # fmt: skip
+    await c.publish_rules([rule])
+    published = time.monotonic()
+    n, seen_at, probes = 0, None, []
+    while seen_at is None and time.monotonic() - published < 10:
+        n += 1
+        sent = time.monotonic()
+        dec = await c.decide(
+            event(f"p{n}", accounts[n % PARTITIONS], T0 + n, type="transfer", card=None, amount=150.0)
+        )
+        probes.append(dec)
+        if dec.rule_version != before.rule_version:
+            seen_at = sent
+    assert seen_at is not None, "the new rule never took effect"
+    assert seen_at - published <= 1.0, f"took {seen_at - published:.2f} s"
+    new_version = probes[-1].rule_version
+    after = await decide_all(c, [event(f"q{i}", acc, T0 + 1000 + i, type="transfer", card=None, amount=150.0)
+                                 for i, acc in enumerate(accounts)])  # fmt: skip
+    for dec in after.values():
+        assert dec.rule_version == new_version and dec.decision == "decline"
+        assert any(
+            r.startswith("rule big_transfer@1: event.type=transfer == transfer, event.amount=150")
+            for r in dec.reasons
+        )
+    await c.delete_rule("big_transfer")
+    for i in range(50):
+        dec = await c.decide(
+            event(f"z{i}", accounts[0], T0 + 5000 + i, type="transfer", card=None, amount=150.0)
+        )
+        if dec.rule_version == before.rule_version:
+            break
+        await asyncio.sleep(0.1)
+    assert dec.rule_version == before.rule_version and dec.decision == "approve"  # same content, same version
+
+
+async def test_sigkill_under_load_then_recovery_from_the_changelog(deployment: Any, tmp_path: Path) -> None:
+    d, w, c = await start(deployment)
+    events = [as_event(e) for e in simulate(SimConfig(customers=60, days=1, seed=13, fraud_scale=20))][:900]
+    events = disorder(events, share=0.05, late_share=0.01, grace_ms=5_000, seed=2)
+    futs = {}
+    for i, e in enumerate(events):
+        futs[e["event_id"]] = await c.send(e)
+        if i == 400:
+            await c.producer.flush()
+            await asyncio.sleep(1.0)
+            w.kill()  # SIGKILL while events are in flight
+            shutil.rmtree(d.env["SURGE_DATA_DIR"], ignore_errors=True)  # no local store: the changelog only
+            w2 = d.worker(role="risk", wait=False)
+            await asyncio.to_thread(w2.wait_ready, RISK_READY, 180)
+        elif i % 50 == 0:
+            await asyncio.sleep(0.05)
+    await c.producer.flush()
+    _, pending = await asyncio.wait(futs.values(), timeout=120)
+    assert not pending, f"{len(pending)} events without a decision after the crash"
+    await asyncio.sleep(2)  # repeats of decisions made before the crash arrive too
+    decisions = [dec for dec, _ in c.decisions]
+    report = check_decisions(await read_arrivals(d.settings), decisions, feature_config(d.settings), futs)
+    assert report["missing"] == 0 and report["repeats_differing"] == 0, report
+    assert report["mismatched_decisions"] == 0, report["mismatch_examples"]
+    assert report["late_wrong"] == 0
