@@ -84,7 +84,8 @@ class Plan:
     recover_timeout_s: float
     margin_s: float  # added to a window after recovery
     tail_s: float
-    drain_s: float
+    drain_s: float  # the longest drain
+    drain_idle_s: float  # the drain ends sooner when no reply came for this long
     rate_scale: float
     limit_batches: int
     sigterm_timeout_s: float
@@ -92,11 +93,11 @@ class Plan:
 
 FULL = Plan(
     kills=3, rolling=(0, 1), warm_s=20, settle_s=10, level0_wait_s=35, recover_timeout_s=120, margin_s=5, tail_s=20,
-    drain_s=60, rate_scale=1.0, limit_batches=8, sigterm_timeout_s=60,
+    drain_s=180, drain_idle_s=20, rate_scale=1.0, limit_batches=8, sigterm_timeout_s=60,
 )  # fmt: skip
 QUICK = Plan(
     kills=1, rolling=(0,), warm_s=6, settle_s=2, level0_wait_s=8, recover_timeout_s=90, margin_s=3, tail_s=4,
-    drain_s=45, rate_scale=0.3, limit_batches=3, sigterm_timeout_s=45,
+    drain_s=60, drain_idle_s=15, rate_scale=0.3, limit_batches=3, sigterm_timeout_s=45,
 )  # fmt: skip
 
 
@@ -303,6 +304,7 @@ async def _events(
         pool.expected_down.update(range(len(pool.current)))  # a worker may stop while Kafka is away
         try:
             await asyncio.to_thread(env.kafka.restart)
+            quiet_kafka_logs()  # the broker's start turned aiokafka's logging back on
         except Exception as exc:
             raise BenchError(f"the broker did not come back: {exc}") from exc
         finally:
@@ -350,7 +352,7 @@ async def _drive(env: BenchEnv, pool: Pool, plan: Plan, rate: float, stream: Que
         t0, t1 = await send_task
         await sender.flush()
         print(f"failover: draining (up to {plan.drain_s:.0f} s)", file=sys.stderr)
-        drained = await wait_answered(sender, reader, plan.drain_s, settle_s=3.0)
+        drained = await wait_answered(sender, reader, plan.drain_s, settle_s=3.0, idle_s=plan.drain_idle_s)
     finally:
         stop.set()
         await lag.stop()
@@ -358,7 +360,7 @@ async def _drive(env: BenchEnv, pool: Pool, plan: Plan, rate: float, stream: Que
         await sender.stop()
         await reader.stop()
     unanswered = [r.rid for r in sender.order if r.acked is not False and r.rid not in reader.by_rid]
-    traced = await trace_requests(d.bootstrap, d.topics, unanswered[:50], sec)
+    traced = await trace_requests(d.bootstrap, d.topics, unanswered[:50], sec, group=d.env["SURGE_APP_ID"])
     return {"events": events, "baseline_assigned": baseline, "sender": sender, "reader": reader,
             "scraper": scraper, "lag": lag, "start": t0, "end": t1, "drain_waited_s": drained,
             "trace_of_lost": traced}  # fmt: skip
@@ -412,7 +414,9 @@ def analyse(run: dict[str, Any], deadlines: dict[str, int | None], session_timeo
             if len(examples) < 5:
                 examples.append({"request_id": rid, "fields": sorted(fields),
                                  "replies": [strip(x.reply) for x in v[:3]]})  # fmt: skip
-        owner[rid] = next((e for e in events if e.window_end and e.t <= v[1].recv < e.window_end), None)
+        # a repeat is a redelivery after a rebalance: it belongs to the last event before its second reply
+        before = [e for e in events if e.t <= v[1].recv]
+        owner[rid] = before[-1] if before else None
     per_event: list[dict[str, Any]] = []
     for i, e in enumerate(events):
         nxt = events[i + 1].t if i + 1 < len(events) else float("inf")
@@ -432,7 +436,7 @@ def analyse(run: dict[str, Any], deadlines: dict[str, int | None], session_timeo
             (s.t, (s.level or 0) == 0) for s in samples if s.up and s.level is not None and s.t < nxt
         ]
         lvl = settled_after(level_pts, e.recovered) if e.recovered else None
-        exposed = [r for r in acked if e.t - 5 <= r.created_ms / 1000 < end]
+        exposed = [r for r in acked if e.t - 5 <= r.created_ms / 1000 < min(nxt, run["end"])]
         reps = [rid for rid, ev in owner.items() if ev is e]
         per_event.append({
             "kind": e.kind, "worker": e.worker, "label": e.label, "at_s": round(e.t - t0, 2),
@@ -478,7 +482,7 @@ def analyse(run: dict[str, Any], deadlines: dict[str, int | None], session_timeo
             if kind_sum(k, "requests_exposed") else None}
         for k in ("sigkill", "sigterm", "broker", "crash")
     }  # fmt: skip
-    repeats_by_kind["outside_windows"] = {"repeats": sum(1 for ev in owner.values() if ev is None)}
+    repeats_by_kind["before_any_event"] = {"repeats": sum(1 for ev in owner.values() if ev is None)}
     return {
         "sent": len(sender.order), "acked": len(acked),
         "produce_failed": len(sender.order) - len(acked),
@@ -571,10 +575,11 @@ def run(
         **res,
         "targets": targets(res, s.session_timeout_s),
         "notes": (
-            "lost: acked by the broker, no reply by the end of the drain. repeats: request_ids with more than one "
-            "reply record; they differ when any field but timings differs. A repeat belongs to the event whose "
-            "window holds its second reply; the SIGKILL rate divides by the requests sent from 5 s before each "
-            "kill to the end of its window. served again: every partition with traffic got a reply produced "
+            "lost: acked by the broker, no reply by the end of the drain (it ends early once no reply came for "
+            "drain_idle_s); trace_of_lost says where they are. repeats: request_ids with more than one reply "
+            "record; they differ when any field but timings differs. A repeat belongs to the last event before "
+            "its second reply (a redelivery follows a rebalance); the SIGKILL rate divides by the requests sent "
+            "from 5 s before each kill until the next event. served again: every partition with traffic got a reply produced "
             "(record timestamp) after the event (after the broker answered again, for the broker restart). "
             "misses: deadline_exceeded + ok after the class deadline + lost, by the request's created_at "
             "(its scheduled send time) inside or outside the windows. level 0: from recovery until every worker "

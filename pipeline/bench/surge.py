@@ -638,7 +638,7 @@ class Sender:
 
 async def trace_requests(
     bootstrap: str, topics: TopicNames, rids: Iterable[str], security: dict[str, Any] | None = None,
-    timeout_s: float = 60.0,
+    timeout_s: float = 60.0, group: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Where requests without a reply went: every record of the request, work, dead-letter and reply
     topics read again from the beginning by a fresh consumer, looking for each request_id. A reply
@@ -648,9 +648,25 @@ async def trace_requests(
     if not wanted:
         return {}
     try:
-        return await _trace(bootstrap, topics, wanted, security, timeout_s)
+        return await _trace(bootstrap, topics, wanted, security, timeout_s, group)
     except Exception as exc:  # a diagnosis, never a reason to lose the run's results
         return {"error": repr(exc)}
+
+
+async def _committed(
+    bootstrap: str, group: str, security: dict[str, Any] | None
+) -> dict[tuple[str, int], int]:
+    """The consumer group's committed offsets, ``{(topic, partition): offset}``."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000, **(security or {}))
+    await admin.start()
+    try:
+        got = await admin.list_consumer_group_offsets(group)
+        return {(tp.topic, tp.partition): c.offset for tp, c in got.items() if c.offset >= 0}
+    finally:
+        with contextlib.suppress(Exception):
+            await admin.close()
 
 
 async def _trace(
@@ -659,6 +675,7 @@ async def _trace(
     wanted: dict[str, Any],
     security: dict[str, Any] | None,
     timeout_s: float,
+    group: str | None,
 ) -> dict[str, Any]:
     import base64
 
@@ -679,6 +696,7 @@ async def _trace(
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         ends = await consumer.end_offsets(tps)
+        committed = await _committed(bootstrap, group, security) if group else {}
         t_end = time.monotonic() + timeout_s
         while time.monotonic() < t_end:
             positions = [await consumer.position(tp) for tp in tps]
@@ -705,6 +723,9 @@ async def _trace(
                                 where += ": " + str(json.loads(m.value).get("reason"))
                             w["deadletter"].append(where)
                         else:
+                            done = committed.get((tp.topic, tp.partition))
+                            if done is not None:
+                                where += " (committed past it)" if done > m.offset else " (not yet consumed)"
                             w["work"].append(where)
     finally:
         with contextlib.suppress(Exception):
@@ -719,6 +740,12 @@ async def _trace(
             "on a work topic, no reply": sum(
                 1 for w in found if w["work"] and not w["replies_on_rescan"] and not w["deadletter"]
             ),
+            "of which the group committed past it (lost by the pipeline)": sum(
+                1 for w in found if not w["replies_on_rescan"] and any("committed past" in x for x in w["work"])
+            ),
+            "of which still waiting in Kafka (not yet consumed)": sum(
+                1 for w in found if not w["replies_on_rescan"] and any("not yet consumed" in x for x in w["work"])
+            ),
             "never forwarded to a work topic, no reply": sum(
                 1 for w in found if w["request"] and not w["work"] and not w["replies_on_rescan"]
                 and not w["deadletter"]
@@ -729,13 +756,19 @@ async def _trace(
 
 
 async def wait_answered(
-    sender: Sender, reader: ReplyReader, timeout_s: float, settle_s: float = 2.0
+    sender: Sender, reader: ReplyReader, timeout_s: float, settle_s: float = 2.0, idle_s: float = 20.0
 ) -> float:
-    """Wait until every acked request has a reply (then ``settle_s`` more for late repeats) or the
-    timeout; returns the seconds waited."""
+    """The drain: wait until every acked request has a reply (then ``settle_s`` more for late repeats),
+    or no new reply came for ``idle_s`` (a backlog still being worked off is waited for, a stall is
+    not), or ``timeout_s``; returns the seconds waited."""
     t0 = time.monotonic()
+    seen, last_progress = len(reader.seen), t0
     while time.monotonic() - t0 < timeout_s:
         if all(r.rid in reader.by_rid for r in sender.order if r.acked is not False):
+            break
+        if len(reader.seen) != seen:
+            seen, last_progress = len(reader.seen), time.monotonic()
+        elif time.monotonic() - last_progress > idle_s:
             break
         await asyncio.sleep(0.25)
     await asyncio.sleep(settle_s)
@@ -841,16 +874,17 @@ class Plan:
     steps: tuple[Step, ...]
     rate_scale: float
     limit_batches: int
-    drain_s: float
+    drain_s: float  # the longest drain
+    drain_idle_s: float  # the drain ends sooner when no reply came for this long
 
 
 FULL = Plan(
     (Step("0.5L", 0.5, 30), Step("0.8L", 0.8, 60), Step("2L", 2.0, 60), Step("0.5L-after", 0.5, 60)),
-    rate_scale=1.0, limit_batches=12, drain_s=60,
+    rate_scale=1.0, limit_batches=12, drain_s=180, drain_idle_s=20,
 )  # fmt: skip
 QUICK = Plan(
     (Step("0.5L", 0.5, 5), Step("0.8L", 0.8, 5), Step("2L", 2.0, 5), Step("0.5L-after", 0.5, 5)),
-    rate_scale=0.25, limit_batches=3, drain_s=30,
+    rate_scale=0.25, limit_batches=3, drain_s=45, drain_idle_s=15,
 )  # fmt: skip
 
 
@@ -900,7 +934,7 @@ async def _drive(
                             "start": t0, "end": t1, "duration_s": st.duration_s})  # fmt: skip
         await sender.flush()
         print(f"surge: draining (up to {plan.drain_s:.0f} s)", file=sys.stderr)
-        drained = await wait_answered(sender, reader, plan.drain_s)
+        drained = await wait_answered(sender, reader, plan.drain_s, idle_s=plan.drain_idle_s)
         # keep scraping a little past the drain so the level and queue can be seen settling
         await asyncio.sleep(1.0)
     finally:
@@ -909,7 +943,7 @@ async def _drive(
         await sender.stop()
         await reader.stop()
     unanswered = [r.rid for r in sender.order if r.acked is not False and r.rid not in reader.by_rid]
-    traced = await trace_requests(d.bootstrap, d.topics, unanswered[:50], sec)
+    traced = await trace_requests(d.bootstrap, d.topics, unanswered[:50], sec, group=d.env["SURGE_APP_ID"])
     return {
         "trace_of_unanswered": traced,
         "lag": lag,
@@ -951,6 +985,9 @@ def analyse(
                               "max": round(max(lags), 1) if lags else None},
             "replies": exactly_once(recs, by_rid),
             "answered_in_window_rps": round(len(first_in) / w["duration_s"], 2),
+            "ok_in_window_rps": round(
+                sum(1 for r in first_in if by_rid[r.rid][0].reply.get("status") == "ok") / w["duration_s"], 2
+            ),
             "useful_in_window_rps": round(len(useful) / w["duration_s"], 2),
             "useful_unique_in_window_rps": round(sum(1 for r in useful if r.kind == "unique") / w["duration_s"], 2),
             "classes": {
@@ -1260,7 +1297,8 @@ def run(
     t0 = windows[0]["start"]
     out = {
         "quick": quick,
-        "plan": {"steps": [st.__dict__ for st in plan.steps], "rate_scale": plan.rate_scale, "drain_s": plan.drain_s},
+        "plan": {"steps": [st.__dict__ for st in plan.steps], "rate_scale": plan.rate_scale,
+                 "drain_s": plan.drain_s, "drain_idle_s": plan.drain_idle_s},
         "limit": lim,
         "limit_rps": limit,
         "settings": default_path_env(s),
