@@ -19,6 +19,7 @@ import unicodedata
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -142,8 +143,11 @@ def _normalize_once(text: str) -> str:
     return " ".join(kept) if kept else text
 
 
+@lru_cache(maxsize=65536)
 def normalize(text: str) -> str:
     """Normalise ``text`` for exact matching: NFKC, casefold, no punctuation, single spaces, no fillers.
+
+    Cached: the registry, the merge decision and the caches all ask for the same texts.
 
     Called by intake for the exact cache key and by :func:`cluster` for exact merges. Punctuation
     between two digits stays (``12.5`` is not ``125``). Idempotent: applied until it stops changing.

@@ -299,7 +299,7 @@ def decision_overhead(
     """Per-request cost of the decision against the embedding stage's, in milliseconds.
 
     Embedding: batches of 32 of ``texts`` (best of ``rounds``), divided by 32. Decision: each of 32
-    new texts (its text profile not cached yet, as for a new request) decided against ``candidates``
+    new texts (nothing about it cached yet, as for a new request) decided against ``candidates``
     leaders whose profiles are warm, with a cosine above the floor (the pairs that reach the
     classifier; those under the floor stop at one comparison).
     """
@@ -314,13 +314,17 @@ def decision_overhead(
     cos = max(decision.cosine_floor, 0.0) + 0.01
     for leader in leaders:
         decision.decide(leader, leaders[0], cos)
+    from pipeline import guard
+
     fresh = getattr(decision, "profile", None)
     decide_s = []
     for _ in range(rounds):
-        if fresh is not None:
-            fresh.cache_clear()
-            for leader in leaders:
-                decision.decide(leader, leaders[0], cos)
+        # a new request's text has not been read yet: its profile, guard features and normal form
+        for cached in (fresh, guard.features, normalize):
+            if cached is not None:
+                cached.cache_clear()
+        for leader in leaders:
+            decision.decide(leader, leaders[0], cos)
 
         def run() -> None:
             for text in batch:

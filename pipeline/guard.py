@@ -342,6 +342,12 @@ _POLE_LEXICON: dict[str, frozenset[tuple[int, int]]] = _build_poles()
 _ZH_OFFSET = len(_ANTONYM_PAIRS_EN)
 
 
+_HAN_RE = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f]")
+_NON_ASCII_CURRENCIES = tuple((k, c) for k, c in CURRENCIES.items() if not k.isascii())
+_SPACED_CURRENCIES = tuple((k, c) for k, c in CURRENCIES.items() if " " in k)
+_NON_ASCII_DATES = tuple((k, n) for k, n in DATE_WORDS.items() if not k.isascii())
+
+
 def _mask_zh(prepared: str) -> str:
     for compound in MASKED_COMPOUNDS_ZH:
         if compound in prepared:
@@ -409,24 +415,29 @@ def features(text: str) -> GuardFeatures:
     word_set = set(words)
 
     negations = sum(1 for w in words if w in NEGATIONS_EN or w.endswith("n't"))
-    free_zh = prepared
-    for word in NEGATION_FREE_ZH:
-        if word in free_zh:
-            free_zh = free_zh.replace(word, " ")
-    negations += sum(1 for ch in free_zh if ch in NEGATIONS_ZH)
-    masked_zh = _mask_zh(free_zh)
+    # the Chinese lists are matched as substrings: only worth it when there is a Han character
+    masked_zh = ""
+    if _HAN_RE.search(prepared) is not None:
+        free_zh = prepared
+        for word in NEGATION_FREE_ZH:
+            if word in free_zh:
+                free_zh = free_zh.replace(word, " ")
+        negations += sum(1 for ch in free_zh if ch in NEGATIONS_ZH)
+        masked_zh = _mask_zh(free_zh)
 
     actions: set[str] = set()
     for w in words:
         actions.update(_ACTION_LEXICON.get(w, ()))
-    for a, b in OPPOSITE_ACTIONS_ZH:
-        actions.update(x for x in (a, b) if x in masked_zh)
+    if masked_zh:
+        for a, b in OPPOSITE_ACTIONS_ZH:
+            actions.update(x for x in (a, b) if x in masked_zh)
 
     poles: set[tuple[int, int]] = set()
     for w in word_set:
         poles.update(_POLE_LEXICON.get(w, ()))
-    for k, pair in enumerate(_ANTONYM_PAIRS_ZH):
-        poles.update((_ZH_OFFSET + k, side) for side, x in enumerate(pair) if x in masked_zh)
+    if masked_zh:
+        for k, pair in enumerate(_ANTONYM_PAIRS_ZH):
+            poles.update((_ZH_OFFSET + k, side) for side, x in enumerate(pair) if x in masked_zh)
 
     # dates like 3/4/2024 stay one token (3/4/2024 is not 4/3/2024); other numbers form a multiset
     numbers = [_canonical_date(d) for d in _DATE_RE.findall(prepared)]
@@ -436,14 +447,16 @@ def features(text: str) -> GuardFeatures:
 
     currencies = {CURRENCIES[w] for w in words if w in CURRENCIES}
     currencies |= {CURRENCIES[ch] for ch in prepared if ch in CURRENCIES}
-    currencies |= {code for key, code in CURRENCIES.items() if not key.isascii() and key in prepared}
-    currencies |= {code for key, code in CURRENCIES.items() if " " in key and key in prepared}
+    if not prepared.isascii():
+        currencies |= {code for key, code in _NON_ASCII_CURRENCIES if key in prepared}
+    currencies |= {code for key, code in _SPACED_CURRENCIES if key in prepared}
     currencies |= {
         "symbol:" + ch for ch in prepared if unicodedata.category(ch) == "Sc" and ch not in CURRENCIES
     }
 
     dates = {DATE_WORDS[w] for w in words if w in DATE_WORDS}
-    dates |= {name for key, name in DATE_WORDS.items() if not key.isascii() and key in prepared}
+    if not prepared.isascii():
+        dates |= {name for key, name in _NON_ASCII_DATES if key in prepared}
     dates |= {"weekday:" + d for d in _ZH_WEEKDAY_RE.findall(prepared)}
 
     refs = {"masked:" + m for m in _MASKED_RE.findall(prepared)}
@@ -496,10 +509,11 @@ def _prefix_negated(a: frozenset[str], b: frozenset[str]) -> str | None:
         for word in sorted(y - x):
             if word in PREFIX_FALSE_FRIENDS:
                 continue
-            for prefix in NEGATING_PREFIXES:
-                base = word[len(prefix) :]
-                if word.startswith(prefix) and len(base) >= 4 and base in x and base not in y:
-                    return f"{base}/{word}"
+            if word.startswith(NEGATING_PREFIXES):
+                for prefix in NEGATING_PREFIXES:
+                    base = word[len(prefix) :]
+                    if word.startswith(prefix) and len(base) >= 4 and base in x and base not in y:
+                        return f"{base}/{word}"
             if word.endswith("less") and word[:-4] + "ful" in x and word[:-4] + "ful" not in y:
                 return f"{word[:-4]}ful/{word}"
     return None

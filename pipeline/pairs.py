@@ -44,7 +44,7 @@ import math
 import re
 import unicodedata
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -178,6 +178,7 @@ class IdfTable:
         if values.shape != (1 << IDF_BITS,):
             raise DecisionLoadError(f"idf table has shape {values.shape}; expected ({1 << IDF_BITS},)")
         self.values = np.asarray(values, dtype=np.float32)
+        self._list: list[float] = self.values.tolist()  # plain floats: indexing a list is much faster
         self.documents = documents
         self.max_idf = math.log(documents + 1) + 1.0
 
@@ -198,7 +199,11 @@ class IdfTable:
         return cls(np.ones(1 << IDF_BITS, dtype=np.float32), 1)
 
     def __call__(self, key: str) -> float:
-        return float(self.values[_hash(key)])
+        return self._list[_hash(key)]
+
+    def at(self, bucket: int) -> float:
+        """The idf of a hashed bucket."""
+        return self._list[bucket]
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,7 +272,7 @@ def build_profile(text: str, idf: IdfTable) -> Profile:
     for g in _grams(norm, lang):
         h = _hash(f"g:{g}")
         counts[h] = counts.get(h, 0.0) + 1.0
-    weights = {h: c * float(idf.values[h]) for h, c in counts.items()}
+    weights = {h: c * idf.at(h) for h, c in counts.items()}
     norm2 = math.sqrt(sum(w * w for w in weights.values())) or 1.0
     return Profile(
         text=text,
@@ -317,8 +322,8 @@ def pair_features(pa: Profile, pb: Profile, cosine: float | None, max_idf: float
     unmatched_max = max(only_a + only_b, default=0.0) / max_idf
     mass_a = sum(only_a) / pa.content_mass if pa.content_mass > 0 else 0.0
     mass_b = sum(only_b) / pb.content_mass if pb.content_mass > 0 else 0.0
-    ga, gb = (pa.grams, pb.grams) if len(pa.grams) <= len(pb.grams) else (pb.grams, pa.grams)
-    char_cos = sum(w * gb.get(h, 0.0) for h, w in ga.items())
+    ga, gb = pa.grams, pb.grams
+    char_cos = sum(ga[h] * gb[h] for h in ga.keys() & gb.keys())
     na, nb = pa.n_units, pb.n_units
     return np.array(
         [
@@ -410,6 +415,26 @@ class Head:
     #: pairs whose embedding cosine is below this never merge (English head only)
     cosine_floor: float = 0.0
 
+    def __post_init__(self) -> None:
+        # a single linear layer folds the standardisation into its weights: one dot product a pair
+        if len(self.layers) == 1:
+            w, b = self.layers[0]
+            folded = (w[:, 0] / self.scale).astype(np.float64)
+            offset = float(b[0]) - float(np.dot(self.mean.astype(np.float64), folded))
+            object.__setattr__(self, "_folded", (folded.tolist(), offset))
+        else:
+            object.__setattr__(self, "_folded", None)
+
+    def probability(self, x: Sequence[float]) -> float:
+        """The calibrated probability of one feature vector (the fast path :meth:`decide` uses)."""
+        folded = self._folded  # type: ignore[attr-defined]
+        if folded is None:
+            return float(self.probabilities(np.asarray(x))[0])
+        weights, offset = folded
+        z = offset + sum(a * b for a, b in zip(weights, x, strict=True))
+        a, b = self.calibration
+        return 1.0 / (1.0 + math.exp(-max(-40.0, min(40.0, a * z + b))))
+
     def logits(self, x: np.ndarray) -> np.ndarray:
         h = (np.asarray(x, dtype=np.float32) - self.mean) / self.scale
         for i, (w, b) in enumerate(self.layers):
@@ -497,7 +522,7 @@ class LearnedDecision:
             return Verdict(False, 0.0, cosine or 0.0, "below the cosine floor")
         x = pair_features(pa, pb, cosine, self.idf.max_idf)
         similarity = float(x[0]) if head == "en" else float(x[4])
-        p = float(h.probabilities(x)[0])
+        p = h.probability(x.tolist())
         if p < h.threshold:
             return Verdict(False, p, similarity, f"model {head}: {p:.3f} < {h.threshold:.3f}")
         why = hard_conflict(a, b)
