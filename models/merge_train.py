@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import sys
 import time
@@ -43,6 +44,7 @@ from pipeline.pairs import (
     LearnedDecision,
     default_data_dir,
     idf_keys,
+    read_decision,
 )
 
 #: Operating point limits on dev: merged share of pairs scored < 3 and < 4.
@@ -220,7 +222,7 @@ def calibration_table(probs: np.ndarray, y: np.ndarray, bins: int = 10) -> list[
     """Mean predicted probability against the observed share, per probability decile."""
     out = []
     edges = np.linspace(0, 1, bins + 1)
-    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+    for lo, hi in itertools.pairwise(edges):
         m = (probs >= lo) & (probs < hi if hi < 1 else probs <= hi)
         if m.any():
             out.append({"bin": round(float(lo), 1), "n": int(m.sum()), "predicted": round(float(probs[m].mean()), 4),
@@ -303,7 +305,7 @@ def train(
         oof_sts[~keep] = heads[lang].probabilities(tr.x[~keep])  # not in any fold: in-sample, neutral pairs
         train_t, train_rates = choose_operating_point(tr, oof_sts)
         report["heads"][lang] = {
-            "pairs": int(len(y)),
+            "pairs": len(y),
             "threshold": threshold,
             "cosine_floor": floor,
             "dev": {k: round(v, 4) for k, v in dev_rates.items()},
@@ -329,6 +331,14 @@ def train(
         "limits": {"below_3": MAX_BELOW_3, "below_4": MAX_BELOW_4},
     }
     LearnedDecision(heads, idf, meta).save(out)
+    # what ships (float16 idf), measured again on dev: the numbers to quote
+    shipped = read_decision(out)
+    for lang in ("en", "zh"):
+        dev_pairs = sts[f"{lang}-dev"]
+        dev = featurize(dev_pairs, shipped, vectors if lang == "en" else None, f"{lang}-dev (shipped)")
+        h = shipped.heads[lang]
+        merged = merged_at(dev, h.probabilities(dev.x), h.threshold, h.cosine_floor)
+        report["heads"][lang]["dev_shipped"] = {k: round(v, 4) for k, v in rates(merged, dev.scores).items()}
     report["out_dir"] = str(out)
     report["weights_bytes"] = sum(p.stat().st_size for p in out.glob("merge_*"))
     report["seconds"] = round(time.perf_counter() - started, 1)
