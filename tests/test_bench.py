@@ -281,6 +281,20 @@ def test_surge_class_summary_counts_each_kind_of_miss_once() -> None:
     assert exactly_once(recs, by_rid) == {"acked": 5, "missing": 1, "duplicated": 1, "extra_replies": 1}
 
 
+def test_lag_sampler_sums_and_peaks_by_topic() -> None:
+    from pipeline.bench.surge import LagSampler
+
+    lag = LagSampler("127.0.0.1:1", "g", ["p.requests", "p.work.batch"])
+    lag.samples = [
+        (1.0, {"p.requests": 5, "p.work.batch": 1}),
+        (2.0, None),
+        (3.0, {"p.requests": 2, "p.work.batch": 9}),
+    ]
+    assert lag.totals() == [(1.0, 6), (3.0, 11)], "a failed sample (None) is left out"
+    assert lag.peak_by_topic() == {"requests": 5, "work.batch": 9}
+    assert lag.peak_by_topic(2.0, 4.0) == {"requests": 2, "work.batch": 9}
+
+
 @pytest.mark.parametrize("scenario", ["surge", "failover"])
 def test_surge_and_failover_fail_clearly_without_the_data(scenario: str, tmp_path: Path) -> None:
     with pytest.raises(BenchError, match="banking77 CSV not found"):

@@ -500,6 +500,7 @@ def analyse(run: dict[str, Any], deadlines: dict[str, int | None], session_timeo
         "partitions_with_traffic": parts_with_traffic,
         "sender_lag_ms_max": round(max((r.lag_ms for r in sender.order), default=0.0), 1),
         "crashes": sum(1 for e in events if e.kind == "crash"),
+        "max_kafka_lag_by_topic": run["lag"].peak_by_topic(),
     }  # fmt: skip
 
 

@@ -421,6 +421,17 @@ class LagSampler:
     def totals(self) -> list[tuple[float, int]]:
         return [(t, sum(lag.values())) for t, lag in self.samples if lag is not None]
 
+    def peak_by_topic(self, start: float = 0.0, end: float = float("inf")) -> dict[str, int]:
+        """The largest lag of each topic (by its suffix: requests, work.realtime, ...) in [start, end)."""
+        out: dict[str, int] = {}
+        for t, lag in self.samples:
+            if lag is None or not start <= t < end:
+                continue
+            for topic, v in lag.items():
+                key = topic.split(".", 1)[-1]
+                out[key] = max(out.get(key, 0), v)
+        return out
+
 
 def quiet_kafka_logs() -> None:
     """aiokafka logs every reconnect attempt at ERROR; the benchmarks report what matters themselves."""
@@ -996,6 +1007,7 @@ def analyse(
             "max_degradation_level": max((s.level for s in span if s.level is not None), default=None),
             "max_queue_depth": max((sum(s.depth.values()) for s in span if s.depth), default=None),
             "max_kafka_lag": max((v for t, v in lag_totals if w["start"] <= t < w["end"]), default=None),
+            "max_kafka_lag_by_topic": run["lag"].peak_by_topic(w["start"], w["end"]),
             "peak_rss_mib": round(max(rss) / 1024, 1) if rss else None,
             "scrapes": len(span), "scrapes_failed": sum(1 for s in span if not s.up),
         }  # fmt: skip
