@@ -161,9 +161,14 @@ class RiskAgents:
         self.stages: dict[str, Stage] = {}
         for kind in ENTITY_KINDS:
             table = rt.app.Table(
-                table_name(kind), default=None, partitions=s.partitions,
+                table_name(kind),
+                default=None,
+                partitions=s.partitions,
+                # bytes: the store and the changelog keep the state's own JSON as is (Faust takes a
+                # table's value serializer from its value type, not from the schema)
+                value_type=bytes,
                 schema=faust.Schema(key_serializer="json", value_serializer="raw"),
-            )  # fmt: skip
+            )
             self.tables[kind] = table
             cache = self.caches[kind] = StateCache(s.risk_feature_cache_entries)
             pending = self.pending[kind] = {}

@@ -43,6 +43,11 @@ DESIGN_METRICS: dict[str, str] = {
     "surge_degradation_level": "gauge",
     "surge_rate_limited_total": "counter",
     "surge_deadletter_total": "counter",
+    "surge_risk_decision_latency_seconds": "histogram",
+    "surge_risk_decisions_total": "counter",
+    "surge_risk_rule_hits_total": "counter",
+    "surge_risk_late_events_total": "counter",
+    "surge_risk_feature_cache_total": "counter",
 }
 
 

@@ -54,6 +54,8 @@ DESIGN_TOPICS = {
     "deadletter",
     "risk.events",
     "risk.decisions",
+    "risk.rules",
+    "risk.late",
 }
 WEB_PORT = 6066
 GATEWAY_PORT = 8000
@@ -208,6 +210,7 @@ def test_workers_and_gateway_run_the_right_roles_on_the_configured_ports() -> No
     for name, role, port in (
         ("surge-intake", "intake", WEB_PORT),
         ("surge-inference", "inference", WEB_PORT),
+        ("surge-risk", "risk", WEB_PORT),
     ):
         container = _container(name)
         assert container["args"] == ["worker", "--role", role]
@@ -233,7 +236,7 @@ def test_inference_needs_one_gpu_and_cpu_roles_need_none() -> None:
     inference = _container("surge-inference")
     assert inference["image"].endswith(":cuda")
     assert inference["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    for name in ("surge-intake", "surge-gateway"):
+    for name in ("surge-intake", "surge-risk", "surge-gateway"):
         assert "nvidia.com/gpu" not in json.dumps(_container(name)["resources"])
 
 
@@ -277,7 +280,7 @@ def test_pod_disruption_budgets_select_existing_deployments() -> None:
         if doc["kind"] == "Deployment"
     }
     budgets = [doc for _, doc in _k8s_objects() if doc["kind"] == "PodDisruptionBudget"]
-    assert len(budgets) == 3
+    assert len(budgets) == 4
     for pdb in budgets:
         assert json.dumps(pdb["spec"]["selector"]["matchLabels"], sort_keys=True) in deployments
 
@@ -313,6 +316,7 @@ def test_compose_runs_kafka_in_kraft_mode_and_every_role() -> None:
         "topics",
         "intake",
         "inference",
+        "risk",
         "gateway",
         "prometheus",
         "grafana",
@@ -327,9 +331,10 @@ def test_compose_runs_kafka_in_kraft_mode_and_every_role() -> None:
     )
     assert services["intake"]["command"] == ["worker", "--role", "intake"]
     assert services["inference"]["command"] == ["worker", "--role", "inference"]
+    assert services["risk"]["command"] == ["worker", "--role", "risk"]
     assert services["gateway"]["command"] == ["gateway"]
     assert services["gateway"]["ports"] == [f"{GATEWAY_PORT}:{GATEWAY_PORT}"]
-    for name in ("intake", "inference", "gateway"):
+    for name in ("intake", "inference", "risk", "gateway"):
         service_env = services[name]["environment"]
         assert service_env["SURGE_BROKER"] == "kafka://kafka:9092"
         assert service_env["SURGE_WEB_PORT"] == str(WEB_PORT)
@@ -414,7 +419,7 @@ def test_every_surge_variable_deploy_sets_is_a_setting() -> None:
     from pipeline.settings import Settings
 
     fields = {f"SURGE_{name.upper()}" for name in Settings.model_fields}
-    compose_only = {"SURGE_INTAKE_REPLICAS", "SURGE_INFERENCE_REPLICAS"}
+    compose_only = {"SURGE_INTAKE_REPLICAS", "SURGE_INFERENCE_REPLICAS", "SURGE_RISK_REPLICAS"}
     texts = [p.read_text(encoding="utf-8") for p in [*_yaml_files(), DEPLOY_DIR / "README.md"]]
     used = set().union(*(re.findall(r"\bSURGE_[A-Z0-9_]*[A-Z0-9]\b", t) for t in texts))
     assert {"SURGE_KAFKA_SECURITY_PROTOCOL", "SURGE_KAFKA_SASL_USERNAME", "SURGE_KAFKA_SSL_CAFILE"} <= used
@@ -457,7 +462,7 @@ def test_prometheus_scrapes_every_role_and_loads_the_alerts() -> None:
     mounts = _compose()["services"]["prometheus"]["volumes"]
     assert "./prometheus/alerts.yaml:/etc/prometheus/alerts.yaml:ro" in mounts
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    for role in ("intake", "inference"):
+    for role in ("intake", "inference", "risk"):
         (sd,) = jobs[f"surge-{role}"]["dns_sd_configs"]
         assert sd["names"] == [role] and sd["port"] == WEB_PORT
     assert jobs["surge-gateway"]["static_configs"][0]["targets"] == [f"gateway:{GATEWAY_PORT}"]

@@ -203,8 +203,9 @@ async def test_sigkill_under_load_then_recovery_from_the_changelog(deployment: A
         futs[e["event_id"]] = await c.send(e)
         if i == 400:
             await c.producer.flush()
-            await asyncio.sleep(1.0)
-            w.kill()  # SIGKILL while events are in flight
+            while len(c.decisions) < 250:  # the tables hold state, and events are in flight
+                await asyncio.sleep(0.05)
+            w.kill()  # SIGKILL
             shutil.rmtree(d.env["SURGE_DATA_DIR"], ignore_errors=True)  # no local store: the changelog only
             w2 = d.worker(role="risk", wait=False)
             await asyncio.to_thread(w2.wait_ready, RISK_READY, 180)

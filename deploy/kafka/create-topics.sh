@@ -35,5 +35,7 @@ create replies           --config retention.ms=86400000
 create deadletter        --config retention.ms=1209600000
 create risk.events       --config retention.ms=604800000
 create risk.decisions    --config retention.ms=604800000
+create risk.late         --config retention.ms=604800000
+create risk.rules        --config cleanup.policy=compact
 
 "$KAFKA_TOPICS" --bootstrap-server "$BOOTSTRAP" "${AUTH[@]}" --list | grep -F "$PREFIX" || true

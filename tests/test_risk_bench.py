@@ -1,0 +1,92 @@
+"""``surge bench risk --quick`` runs end to end on the real broker and its numbers are sane (never its
+performance targets: a quick run on a shared 2-core box is too small and too noisy for that), and the
+packaged risk model loads, scores like scikit-learn would, and beats the rules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from models.risk import INPUTS, RiskModel, recall_at_fpr, train, vectorize
+from pipeline.bench import SCENARIOS, run_bench
+from pipeline.broker import EmbeddedKafka
+from pipeline.risk.features import OK, FeatureEngine
+from pipeline.risk.simulate import SimConfig, simulate
+
+
+def test_recall_at_fpr_picks_the_strictest_threshold_within_the_rate() -> None:
+    labels = [0] * 100 + [1] * 10
+    scores = [i / 100 for i in range(100)] + [0.995] * 5 + [0.5] * 5
+    r = recall_at_fpr(scores, labels, 0.01)
+    assert r["recall"] == 0.5 and r["fpr"] == 0.01 and r["threshold"] == 0.99
+    assert recall_at_fpr([1.0] * 110, labels, 0.01)["recall"] == 0.0  # every threshold flags all legit
+    with pytest.raises(ValueError, match="both classes"):
+        recall_at_fpr([0.1], [1])
+
+
+def test_training_exports_trees_that_score_like_scikit_learn(tmp_path: Path) -> None:
+    events = simulate(SimConfig(customers=300, days=6, seed=4, fraud_scale=6))
+    model, report = train(events, n_estimators=30, progress=False)
+    assert report["test_fraud"] > 10 and 0 <= report["model"]["recall"] <= 1
+    assert model.meta["review_threshold"] <= model.meta["decline_threshold"]
+    again = RiskModel.load(model.save(tmp_path / "m"))
+    assert again.version == model.version and again.version.startswith("risk-gbt-")
+    eng = FeatureEngine()
+    rows = [(e, f) for e in events[:3000] if (r := eng.process(e))[0] == OK and (f := r[1]) is not None]
+    X = np.asarray([vectorize(e, f) for e, f in rows], dtype=np.float32)
+    assert X.shape[1] == len(INPUTS)
+    assert np.allclose(again.proba(X), model.proba(X))
+    assert again.score_many(rows[:5]) == [round(float(p), 6) for p in model.proba(X[:5])]
+    # the contributions along the tree paths add up to the log-odds
+    e, f = rows[0]
+    total = sum(c for _, c in again.explain(e, f, top=len(INPUTS)))
+    roots = float(again.value[again.roots].sum())
+    assert again.base + roots + total == pytest.approx(float(again.raw(X[:1])[0]), abs=1e-3)
+    # the exported trees are scikit-learn's trees
+    from sklearn.ensemble import GradientBoostingClassifier
+
+    from models.risk import _export
+
+    rng = np.random.default_rng(0)
+    Xr = rng.normal(size=(400, len(INPUTS))).astype(np.float32)
+    yr = (Xr[:, 0] + Xr[:, 5] * Xr[:, 9] > 0.3).astype(int)
+    gb = GradientBoostingClassifier(n_estimators=20, max_depth=3).fit(Xr, yr)
+    assert np.allclose(_export(gb, {}).raw(Xr), gb.decision_function(Xr), atol=1e-9)
+    with pytest.raises(Exception, match="no risk model"):
+        RiskModel.load(tmp_path / "nothing")
+
+
+def test_packaged_model_beats_the_rules_on_its_own_report() -> None:
+    model = RiskModel.load()
+    rep = model.meta["report"]
+    assert rep["model"]["recall"] >= 2 * rep["rules"]["recall"]
+    assert set(rep["by_scenario"]) == {
+        "amount_spike",
+        "compromised_terminal",
+        "account_takeover",
+        "card_testing",
+    }
+
+
+def test_bench_risk_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
+    assert "risk" in SCENARIOS
+    out = tmp_path / "risk.json"
+    assert run_bench("risk", quick=True, json_path=out, broker=kafka) == 0
+    assert out.with_suffix(".png").stat().st_size > 1000
+    r = json.loads(out.read_text())
+    assert r["scenario"] == "risk" and r["quick"] is True
+    chk = r["check"]
+    assert chk["missing"] == 0 and chk["mismatched_decisions"] == 0 and chk["repeats_differing"] == 0
+    assert chk["late_wrong"] == 0 and chk["decisions_checked"] >= r["steady"]["events"] + r["burst"]["events"]
+    for phase in ("steady", "burst", "capacity", "crash"):
+        lat = r[phase]["latency"]
+        assert lat["count"] == r[phase]["events"] and 0 <= lat["p50_ms"] <= lat["p99_ms"] <= lat["max_ms"]
+    assert r["capacity"]["events_per_s_per_worker"] > 0 and r["crash"]["restart_s"] > 0
+    assert 0 < r["feature_cache_hit_share"] <= 1
+    q = r["model_quality"]
+    assert q["test_fraud"] > 0 and 0 <= q["rules"]["recall"] <= q["model"]["recall"] <= 1
+    names = {t["name"] for t in r["targets"]}
+    assert any("per worker" in n for n in names) and any("brute force" in n for n in names)
