@@ -203,7 +203,7 @@ async def test_sigkill_under_load_then_recovery_from_the_changelog(deployment: A
         futs[e["event_id"]] = await c.send(e)
         if i == 400:
             await c.producer.flush()
-            while len(c.decisions) < 250:  # the tables hold state, and events are in flight
+            while len(c.decisions) < 250:  # noqa: ASYNC110 - the tables hold state, events are in flight
                 await asyncio.sleep(0.05)
             w.kill()  # SIGKILL
             shutil.rmtree(d.env["SURGE_DATA_DIR"], ignore_errors=True)  # no local store: the changelog only
