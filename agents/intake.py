@@ -126,7 +126,8 @@ class Intake:
         created = req.created_at if req.created_at is not None else record_ms
         now = now_ms()
         class_ms = s.deadline_ms(req.priority)
-        deadline = absolute_deadline_ms(created, class_ms, req.deadline_ms)
+        own_ms = req.deadline_ms if s.deadlines_enabled else None
+        deadline = absolute_deadline_ms(created, class_ms, own_ms)
 
         async def refuse(code: str, message: str, retry_after_ms: int | None = None) -> Awaitable[Any]:
             return await rt.error_reply(

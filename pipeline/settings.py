@@ -152,6 +152,11 @@ class Settings(BaseSettings):
     deadline_offline_ms: int = Field(
         _DEADLINES[Priority.OFFLINE] or 0, ge=0, description="offline deadline, ms; 0 = none"
     )
+    deadlines_enabled: bool = Field(
+        True,
+        description="false: no request expires, whatever its class or deadline_ms (replays of old "
+        "traffic, docs/architecture.md 'Replay')",
+    )
     deadline_policy_batch: Literal["reject", "delay"] = Field(
         "reject", description="what happens to an expired batch item: reject or move to offline"
     )
@@ -310,6 +315,20 @@ class Settings(BaseSettings):
         True, description="a risk worker that finds surge.risk.rules empty publishes the default rules"
     )
 
+    # --- replay and shadow (docs/architecture.md, "Replay") ------------------------------------------
+    replay_rate_per_s: float = Field(
+        500.0, ge=0, description="records/s a replay or shadow copies at most (throttle); 0 = no limit"
+    )
+    replay_nice: int = Field(
+        10, ge=0, le=19, description="niceness of a replay's or shadow's worker: the OS serves live workers first"
+    )
+    replay_idle_timeout_s: float = Field(
+        60.0, gt=0, description="a replay stops waiting after this long without a new reply, seconds"
+    )
+    shadow_report_interval_s: float = Field(
+        5.0, gt=0, description="how often a shadow rewrites its rolling comparison, seconds"
+    )
+
     @model_validator(mode="after")
     def _check_combinations(self) -> Settings:
         if self.base_batch_size > self.max_batch_size:
@@ -425,7 +444,9 @@ class Settings(BaseSettings):
         return ",".join(s.split("://", 1)[-1] for s in self.broker.split(","))
 
     def deadline_ms(self, priority: str) -> int | None:
-        """Class deadline in ms, or None for no deadline."""
+        """Class deadline in ms, or None for no deadline (always None with deadlines_enabled off)."""
+        if not self.deadlines_enabled:
+            return None
         value = {
             "realtime": self.deadline_realtime_ms,
             "interactive": self.deadline_interactive_ms,

@@ -1,0 +1,261 @@
+"""The pure parts of replay and shadow (pipeline/replay/plan.py, compare.py, plot.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.replay import compare, plan
+from pipeline.replay.plan import (
+    PartitionRange,
+    ReplayError,
+    ReplayNames,
+    ReplayRangeError,
+    ReplaySettingError,
+    ReplayTimeError,
+    Throttle,
+)
+from pipeline.replyto import ReplyToPolicy
+from pipeline.settings import Settings
+from pipeline.topics import TopicNames
+
+NOW = 1_735_689_600_000  # 2025-01-01T00:00:00Z
+
+
+def test_times() -> None:
+    assert plan.parse_time("now", NOW) == NOW
+    assert plan.parse_time("1735689600123", NOW) == 1_735_689_600_123
+    assert plan.parse_time("2025-01-01T00:00:00Z", NOW) == NOW
+    assert plan.parse_time("2025-01-01T01:00:00+01:00", NOW) == NOW
+    assert plan.parse_time("2025-01-01 00:00:01", NOW) == NOW + 1000  # no zone: UTC
+    assert plan.parse_time("-2h", NOW) == NOW - 7_200_000
+    assert plan.parse_time("now-30m", NOW) == NOW - 1_800_000
+    assert plan.parse_time("-1.5s", NOW) == NOW - 1500
+    with pytest.raises(ReplayTimeError, match="yesterday"):
+        plan.parse_time("yesterday", NOW)
+    with pytest.raises(ReplayRangeError) as err:
+        plan.check_range(NOW, NOW - 5)
+    assert (err.value.from_ms, err.value.to_ms) == (NOW, NOW - 5) and "-5 ms" in err.value.message
+
+
+def test_names_are_the_replays_own() -> None:
+    n = ReplayNames("surge", "surge.", "abc-1")
+    assert (n.app_id, n.prefix) == ("surge-replay-abc-1", "surge.replay.abc-1.")
+    assert n.topics.requests == "surge.replay.abc-1.requests"
+    assert n.owns("surge.replay.abc-1.replies") and n.owns("surge-replay-abc-1-replybook-changelog")
+    for live in (
+        "surge.requests",
+        "surge.replies",
+        "surge-replybook-changelog",
+        "surge.replay.abc-2.replies",
+    ):
+        assert not n.owns(live), live
+    assert ReplayNames("surge", "surge.", "x", kind="shadow").prefix == "surge.shadow.x."
+    with pytest.raises(ReplayError):
+        ReplayNames("surge", "surge.", "a.b")
+    assert plan.new_replay_id(NOW, "f00") == "20250101000000-f00"
+    # the live policy refuses the replay's topics, so no client can reach them
+    live = ReplyToPolicy(TopicNames("surge."), "surge")
+    assert live.safe(n.topics.replies) == "surge.replies"
+
+
+def test_ranges_by_timestamp() -> None:
+    ranges = plan.plan_ranges(
+        {0: 5, 1: None, 2: 0, 3: 7}, {0: 9, 1: None, 2: None, 3: 7}, {0: 20, 1: 4, 2: 3, 3: 10}
+    )
+    assert ranges == [PartitionRange(0, 5, 9), PartitionRange(2, 0, 3)]
+    assert sum(r.count for r in ranges) == 7
+
+
+def test_throttle_paces_records() -> None:
+    t = [100.0]
+    th = Throttle(10, lambda: t[0])
+    assert [th.delay() for _ in range(3)] == pytest.approx([0, 0.1, 0.2])
+    t[0] += 1.0  # idle: no debt carried forward
+    assert th.delay() == 0
+    assert Throttle(0, lambda: 0.0).delay(1000) == 0
+
+
+def test_sampling_by_hash() -> None:
+    ids = [f"req-{i}" for i in range(20_000)]
+    share = sum(plan.sampled(i, 10) for i in ids) / len(ids)
+    assert 0.09 < share < 0.11
+    assert [plan.sampled(i, 10) for i in ids[:50]] == [plan.sampled(i, 10) for i in ids[:50]]
+    assert all(plan.sampled(i, 100) for i in ids[:10]) and not any(plan.sampled(i, 0) for i in ids[:10])
+    # a larger share holds every request of a smaller one
+    assert all(plan.sampled(i, 30) for i in ids if plan.sampled(i, 10))
+
+
+def test_rewrite_keeps_the_request_but_its_reply_to() -> None:
+    live = ReplyToPolicy(TopicNames("surge."), "surge")
+    req = {
+        "request_id": "r1",
+        "user_id": "u1",
+        "prompt": "héllo",
+        "created_at": 123,
+        "reply_to": "surge.replies.gw-1",
+    }
+    c = plan.rewrite_request(json.dumps(req).encode(), "surge.replay.x.replies", live)
+    assert json.loads(c.value) == {**req, "reply_to": "surge.replay.x.replies"}
+    assert (c.ids, c.live_reply_topic) == (("u1", "r1"), "surge.replies.gw-1")
+    bare = {"request_id": "r2", "user_id": "u1", "prompt": "hi"}
+    c = plan.rewrite_request(json.dumps(bare).encode(), "surge.replay.x.replies", live)
+    assert (
+        json.loads(c.value)["reply_to"] == "surge.replay.x.replies" and c.live_reply_topic == "surge.replies"
+    )
+    # a reply_to live refused stays: the replay refuses it too, and answers on its own topic
+    bad = {"request_id": "r3", "user_id": "u1", "prompt": "hi", "reply_to": "surge.work.realtime"}
+    raw = json.dumps(bad).encode()
+    c = plan.rewrite_request(raw, "surge.replay.x.replies", live)
+    assert c.value == raw and c.live_reply_topic == "surge.replies"
+    assert ReplyToPolicy(TopicNames("surge.replay.x."), "surge-replay-x").safe(bad["reply_to"]) == (
+        "surge.replay.x.replies"
+    )
+    c = plan.rewrite_request(b"\xff not json", "surge.replay.x.replies", live)
+    assert (c.value, c.ids, c.live_reply_topic) == (b"\xff not json", None, None)
+
+
+def test_sets_and_worker_env() -> None:
+    fields = list(Settings.model_fields)
+    assert plan.parse_sets(["max_batch_size=16", "SURGE_FAQ_CONFIDENCE_FLOOR=0.5"], fields) == {
+        "max_batch_size": "16",
+        "faq_confidence_floor": "0.5",
+    }
+    for bad, why in (("app_id=x", "replay's own"), ("nope=1", "no setting"), ("max_batch_size", "KEY=VALUE")):
+        with pytest.raises(ReplaySettingError, match=why):
+            plan.parse_sets([bad], fields)
+    n = ReplayNames("surge", "surge.", "r1")
+    env = plan.worker_env(n, broker="kafka://h:1", data_dir="/d", partitions=3, role="all", model="echo",
+                          sets={"max_batch_size": "16", "cache_enabled": "true"})  # fmt: skip
+    assert env["SURGE_APP_ID"] == "surge-replay-r1" and env["SURGE_TOPIC_PREFIX"] == "surge.replay.r1."
+    assert env["SURGE_DEADLINES_ENABLED"] == "false" and env["SURGE_DEGRADE_ENABLED"] == "false"
+    assert env["SURGE_CACHE_ENABLED"] == "true" and env["SURGE_DEDUP_ENABLED"] == "false"
+    assert env["SURGE_REPLY_TOPIC_PATTERN"] == "" and env["SURGE_PARTITIONS"] == "3"
+    assert env["SURGE_MODEL"] == "echo" and env["SURGE_MAX_BATCH_SIZE"] == "16"
+    assert "SURGE_CACHE_ENABLED" not in plan.worker_env(n, broker="b", data_dir="d", partitions=1, role="all",
+                                                        caches=True)  # fmt: skip
+    assert plan.changed_settings("echo", "faq", {"max_wait_ms": "5"}) == ["model", "max_wait_ms"]
+    assert plan.changed_settings("faq", "faq", {}) == []
+
+
+def test_deadlines_can_be_turned_off() -> None:
+    s = Settings.load(deadlines_enabled=False)
+    assert all(s.deadline_ms(p) is None for p in ("realtime", "interactive", "batch", "offline"))
+    assert Settings.load().deadline_ms("realtime") == 200
+
+
+def test_edit_distance() -> None:
+    assert compare.edit_distance("kitten", "sitting") == 3
+    assert compare.edit_distance("", "abc") == 3 and compare.edit_distance("abc", "abc") == 0
+    assert compare.normalized_edit_distance("kitten", "sitting") == pytest.approx(3 / 7)
+    assert (
+        compare.normalized_edit_distance(None, "x") == 1.0
+        and compare.normalized_edit_distance(None, None) == 0
+    )
+
+
+def _ok(answer: str, served: str = "model", version: str = "m-1", **kw: object) -> dict[str, object]:
+    return {"status": "ok", "answer": answer, "finish_reason": "stop", "served_from": served,
+            "model_version": version, "timings": {"total_ms": 10.0}, **kw}  # fmt: skip
+
+
+def _err(code: str, **kw: object) -> dict[str, object]:
+    return {"status": "error", "error": {"code": code, "message": "m"}, "timings": {"total_ms": 30.0}, **kw}
+
+
+def test_request_report_on_a_history_with_known_differences() -> None:
+    keys = [("u", f"r{i}") for i in range(10)]
+    live = {
+        keys[0]: _ok("a"), keys[1]: _ok("b"), keys[2]: _ok("c", served="cache"),
+        keys[3]: _err("deadline_exceeded"), keys[4]: _ok("busy", served="template", degradation_level=3),
+        keys[5]: _ok("old answer", version="m-0"), keys[6]: _ok("kitten", served="merged"),
+        keys[7]: _err("rate_limited"), keys[8]: _ok("xyz"),
+    }  # fmt: skip
+    new = {k: _ok(v) for k, v in zip(keys, ["a", "b", "c", "d", "real", "new answer", "sitting", "h", "xyw"],
+                                     strict=False)}  # fmt: skip
+    new[keys[5]] = _ok("new answer", version="m-1")
+    new[keys[9]] = _ok("j")
+    rep = compare.compare_requests(keys, live, new, replay_latency_ms={k: 5.0 for k in keys})
+    assert rep["counts"] == {"replayed": 10, "joined": 9, "missing_live": 1, "missing_replay": 0}
+    assert rep["agreement"]["same_outcome"] == 3 and rep["agreement"]["rate"] == pytest.approx(
+        3 / 9, abs=1e-6
+    )
+    assert rep["differences_by_cause"] == {
+        "live_deadline_exceeded": 1, "live_degraded": 1, "rate_limit_state": 1, "model_version_differs": 1,
+        "live_shared_answer": 1, "unexplained": 1,
+    }  # fmt: skip
+    assert rep["agreement"]["unexplained"] == 1 and rep["agreement"]["explained"] == 5
+    assert rep["answers"]["both_ok"] == 7 and rep["answers"]["exact_match"] == 3  # a, b, c
+    assert rep["served_from_shift"]["cache->model"] == 1 and rep["served_from_shift"]["none->model"] == 2
+    ed = rep["_series"]["edit_distance"]
+    assert sorted(ed)[-3:] == [1.0, 1.0, 1.0] and pytest.approx(3 / 7) in ed and pytest.approx(1 / 3) in ed
+    assert rep["latency_ms"]["replay_copy_to_reply"]["p50_ms"] == 5.0
+    assert rep["latency_ms"]["live_created_to_reply"]["count"] == 9
+    assert {e["request_id"]: e["cause"] for e in rep["examples"]}["r8"] == "unexplained"
+    # with a changed setting, what no other cause explains is put down to it
+    rep = compare.compare_requests(keys, live, new, changed=["faq_confidence_floor"])
+    assert (
+        rep["differences_by_cause"].get("settings_changed") == 1
+        and "unexplained" not in rep["differences_by_cause"]
+    )
+    text = "\n".join(compare.summary_lines(rep))
+    assert "same outcome 3/9" in text and "cache->model 1" in text
+
+
+def test_request_causes() -> None:
+    c = compare.request_cause
+    assert c(_ok("a"), _err("deadline_exceeded")) == "replay_deadline_exceeded"
+    assert c(_err("overloaded"), _ok("a")) == "live_overloaded"
+    assert c(_ok("a"), _ok("b", served="cache")) == "replay_shared_answer"
+    assert c(_err("model_error"), _ok("a")) == "model_error"
+    assert c(_err("invalid_request"), _ok("a")) == "invalid_request"
+    assert set(compare.REQUEST_CAUSES) >= {"unexplained", "settings_changed"}
+
+
+def _dec(decision: str, score: float | None, late: bool = False, rv: str = "v1", mv: str = "g1",
+         **features: float) -> dict[str, object]:  # fmt: skip
+    return {"decision": decision, "score": score, "late": late, "rule_version": rv, "model_version": mv,
+            "features": {"account_count_1h": 1, **features}, "reasons": [],
+            "timings": {"produce_to_decision_ms": 4.0}}  # fmt: skip
+
+
+def test_risk_report() -> None:
+    ids = [f"e{i}" for i in range(8)]
+    live = {
+        "e0": _dec("approve", 0.1), "e1": _dec("approve", 0.2), "e2": _dec("review", 0.5, card_count_1m=3),
+        "e3": _dec("review", None, late=True), "e4": _dec("approve", 0.1, mv="g0"), "e5": _dec("decline", 0.9),
+        "e6": _dec("approve", 0.05), "e7": _dec("approve", 0.3),
+    }  # fmt: skip
+    new = dict(live)
+    new["e2"] = _dec("approve", 0.2, card_count_1m=1)
+    new["e3"] = _dec("approve", 0.1)
+    new["e4"] = _dec("review", 0.6)
+    new["e7"] = _dec("review", 0.3, rv="v2")
+    labels = {"e0": 0, "e1": 0, "e2": 1, "e3": 0, "e4": 1, "e5": 1, "e6": 0, "e7": 0}
+    rep = compare.compare_risk(ids, live, new, labels=labels, replay_latency_ms={i: 2.0 for i in ids})
+    assert rep["agreement"]["flips"] == 4 and rep["agreement"]["same_decision"] == 4
+    assert rep["decision_flips"]["review->approve"] == 2 and rep["decision_flips"]["approve->review"] == 2
+    assert rep["differences_by_cause"] == {
+        "late_differs": 1, "model_version_differs": 1, "rule_version_differs": 1, "features_differ": 1,
+    }  # fmt: skip
+    assert rep["feature_mismatches"] == {"card_count_1m": 1}
+    assert rep["score_delta"]["pairs"] == 7
+    assert rep["score_delta"]["abs"]["max"] == pytest.approx(0.5)
+    assert rep["score_delta"]["abs"]["p50"] == pytest.approx(0.0)
+    rec = rep["recall_at_1pct_fpr"]
+    # live: positives .5, .9 above every negative (max .3), e4 (.1) below; replay: .6, .9 above, e2 (.2) not
+    assert rec["live"]["recall"] == pytest.approx(2 / 3) and rec["replay"]["recall"] == pytest.approx(2 / 3)
+    assert "flips 4" in "\n".join(compare.summary_lines(rep))
+
+
+def test_plots(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from pipeline.replay.plot import plot_report
+
+    keys = [("u", "r1"), ("u", "r2")]
+    rep = compare.compare_requests(keys, {keys[0]: _ok("a")}, {keys[0]: _ok("b"), keys[1]: _ok("c")},
+                                   replay_latency_ms={keys[0]: 3.0})  # fmt: skip
+    assert plot_report(rep, tmp_path / "r.png").stat().st_size > 10_000
+    rrep = compare.compare_risk(["e"], {"e": _dec("approve", 0.1)}, {"e": _dec("review", 0.7)})
+    assert plot_report(rrep, tmp_path / "k.png").stat().st_size > 10_000
+    assert "_series" not in compare.public(rep)
