@@ -31,15 +31,15 @@ from agents.outcomes import Outcome, Pending, ReplyWriter
 from agents.runtime import Runtime, event_context
 from models.base import ChatMessage, ModelBackend, ModelInput, ModelOutput
 from models.embedder import Embedder
-from pipeline.admin import changelog_topics
 from pipeline.batcher import AsyncBatcher, BatchObserver
 from pipeline.cache import AnswerCache, CachedAnswer
-from pipeline.dedup import exact_key, guard_allows, is_embeddable, normalize
+from pipeline.dedup import exact_key, is_embeddable, normalize
 from pipeline.degrade import DegradationController, DegradeConfig, MissRateWindow, plan
 from pipeline.exceptions import DeadlineExceededError, OverloadedError, SurgeError
 from pipeline.isolation import RetryPolicy, run_isolated
 from pipeline.keys import reply_key, source_key
 from pipeline.merge import MergeRegistry
+from pipeline.pairs import decision_from_settings
 from pipeline.records import WorkItem, now_ms
 from pipeline.scheduler import DeadlinePolicy, QueuedItem, Scheduler, SchedulerConfig
 from pipeline.terms import PRIORITIES, RANK, Priority, Tier
@@ -94,7 +94,9 @@ class Inference:
         )
         self.scheduler = Scheduler(cfg, policy=s.queue_policy)
         self.batcher = AsyncBatcher(self.scheduler, _Observer(self))
-        self.merges = MergeRegistry(s.semantic_threshold)
+        #: one merge decision for live merging and the semantic cache (what `surge dedup eval` measures)
+        self.decision = decision_from_settings(s)
+        self.merges = MergeRegistry(decision=self.decision)
         self.controller = DegradationController(
             DegradeConfig(
                 up_queue_depth=s.degrade_up_queue_depth,
@@ -125,7 +127,9 @@ class Inference:
         self._blocked: set[str] = set()
         self.model_calls = 0
         self.embed_calls = 0
-        self.stopping = False
+        #: moving averages of the measured cost per item (they size ``work_bound``)
+        self.embed_ms_per_item = 0.0
+        self.model_ms_per_item = 0.0
 
     # ---- start ---------------------------------------------------------------------------------
     def load(self) -> None:
@@ -146,12 +150,7 @@ class Inference:
             await asyncio.get_running_loop().run_in_executor(self.model_pool, self.load)
         if self.cache is not None:
             self.cache.sync()
-            # the answers table picks changelog partitions with the producer's partitioner, which
-            # needs the topic's metadata before the first write
-            producer = self.rt.app.producer
-            await producer.maybe_start()
-            for topic in changelog_topics(self.rt.settings):
-                await producer._ensure_producer().partitions_for(topic)
+        await self.rt.lifecycle.writes_ready.wait()
         self.ready.set()
         log.info("inference ready: model %s version %s", self.model.name, self.model.version)
 
@@ -189,6 +188,7 @@ class Inference:
             "batches": self.batcher.batches,
             "degradation_level": self.controller.level,
             "unacked_records": self.rt.acker.pending(),
+            "work_bound": self.work_bound(),
         }
 
     # ---- admission (one reader per class) ---------------------------------------------------------
@@ -199,18 +199,30 @@ class Inference:
         EDF) nothing waiting in any higher class. Never while the worker is stopping.
         """
         s = self.rt.settings
-        if self.stopping:
+        if self.rt.lifecycle is not None and self.rt.lifecycle.stopping:
             return False
         if self.waiting(priority) >= s.queue_limit_per_class:
+            return False
+        rank = RANK[priority]
+        if sum(self.waiting(p) for p in PRIORITIES[: rank + 1]) >= self.work_bound():
             return False
         if s.queue_policy != "edf":
             return sum(len(q) for q in self._arrivals.values()) < s.embed_queue_limit
         # strict priority: a class is read only while no higher class has anything waiting, and
         # lower classes' embedding backlog never holds a higher class back
-        rank = RANK[priority]
         if any(self.waiting(p) for p in PRIORITIES[:rank]):
             return False
         return len(self._arrivals[priority]) < s.embed_queue_limit
+
+    def work_bound(self) -> int:
+        """How many items this worker keeps admitted: about ``queue_target_ms`` of measured
+        embedding and model time per item, at least two full batches, at most the class limit."""
+        s = self.rt.settings
+        batch = self.scheduler.config.max_batch_size
+        per_item_ms = self.embed_ms_per_item + self.model_ms_per_item
+        if per_item_ms <= 0:
+            return max(2 * batch, min(s.queue_limit_per_class, 8 * batch))
+        return int(min(s.queue_limit_per_class, max(2 * batch, s.queue_target_ms / per_item_ms)))
 
     async def _wait_admit(self, priority: str) -> None:
         while not self.can_admit(priority):
@@ -224,9 +236,12 @@ class Inference:
     async def admit(self, priority: str, stream: faust.StreamT, event: EventT) -> None:
         """Called by a work-topic reader for each record, in order."""
         rt = self.rt
-        ticket = rt.acker.track(stream, event)
         await self.ready.wait()
         await self._wait_admit(priority)
+        await rt.lifecycle.hold_if_stopping()
+        # tracked only once admitted: a record still held by a waiting reader at a stop or a
+        # rebalance was not worked on, and its next owner reads it without it being a repeat
+        ticket = rt.acker.track(stream, event)
         try:
             work = decode_work_item(event)
         except WorkItemError as exc:
@@ -325,9 +340,13 @@ class Inference:
                 assert self.embedder is not None
                 self.rt.metrics.embed_batch_size.observe(len(want))
                 self.embed_calls += 1
+                t0 = time.perf_counter()
                 try:
                     vecs = await loop.run_in_executor(
                         self.embed_pool, self.embedder.embed, [items[i].inp.text for i in want]
+                    )
+                    self.embed_ms_per_item = _ewma(
+                        self.embed_ms_per_item, (time.perf_counter() - t0) * 1000 / len(want)
                     )
                 except Exception:
                     log.exception("embedding %d questions failed; they go on without vectors", len(want))
@@ -362,11 +381,9 @@ class Inference:
         if s.cache_enabled and req.cache and self.cache is not None:
             assert it.cache_key is not None
             hit = self.cache.get_exact(it.cache_key)
-            if hit is None and self._semantic_ok(it):
-                found = self.cache.search(
-                    it.scope, it.vector, s.semantic_threshold,  # type: ignore[arg-type]
-                    accept=lambda e: guard_allows(e.text, it.inp.text)[0],
-                )  # fmt: skip
+            if hit is None:
+                vector = it.vector if self._semantic_ok(it) else None
+                found = self.cache.search(it.scope, vector, text=it.inp.text, decision=self.decision)
             else:
                 found = (hit, 1.0) if hit is not None else None
             m.cache_lookups.labels(layer="semantic", result="hit" if found else "miss").inc()
@@ -512,6 +529,7 @@ class Inference:
             time.sleep, calls.append,
         )  # fmt: skip
         seconds = time.perf_counter() - t0
+        self.model_ms_per_item = _ewma(self.model_ms_per_item, seconds * 1000 / len(pend))
         self.model_calls += len(calls)
         self.batcher.record_batch(len(pend), seconds)
         m.model_inference_latency.labels(model_version=self.model.version).observe(seconds)
@@ -543,13 +561,9 @@ class Inference:
         except Exception:
             log.exception("could not store the answer of %s in the cache", p.req_id)
 
-    # ---- stopping --------------------------------------------------------------------------------
-    async def drain(self, timeout_s: float) -> bool:
-        """Stop admitting, then wait until every admitted item is answered and acked (SIGTERM)."""
-        self.stopping = True
-        ok = await self.rt.acker.wait_idle(timeout_s)
-        log.info("inference drained: %s, %d records unacked", ok, self.rt.acker.pending())
-        return ok
+
+def _ewma(old: float, new: float, alpha: float = 0.2) -> float:
+    return new if old <= 0 else (1 - alpha) * old + alpha * new
 
 
 def register(rt: Runtime, inf: Inference) -> None:

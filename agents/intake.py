@@ -86,6 +86,8 @@ class Intake:
     async def handle(self, stream: faust.StreamT, event: EventT) -> None:
         """Process one record; its ack follows once its outputs are on the broker."""
         rt, s, msg = self.rt, self.rt.settings, event.message
+        await rt.lifecycle.writes_ready.wait()
+        await rt.lifecycle.hold_if_stopping()
         ticket = rt.acker.track(stream, event)
         futures: list[Awaitable[Any]] = []
         try:

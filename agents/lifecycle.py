@@ -7,8 +7,9 @@ stop on SIGTERM (docs/architecture.md, "Readiness and failover").
 * Rebalance: before giving up its partitions, a worker lets the work it admitted finish (at most
   ``drain_timeout_s``), acks it in offset order and commits, so the next owner does not read again
   what was answered. What is still unfinished then is read again and answered from the reply book.
-* SIGTERM: stop admitting, drain, commit, leave the group, then stop: a rolling restart loses and
-  repeats nothing.
+* SIGTERM: stop admitting, drain, commit, then the usual shutdown, which leaves the group: a
+  rolling restart loses and repeats nothing. With static membership (``SURGE_STATIC_MEMBERSHIP``)
+  the worker does not leave: its partitions wait for it until its session times out.
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from typing import Any
 
 import faust
 from faust.types import TP
 
 from agents.runtime import Runtime
-from pipeline.compat import leave_group
+from pipeline.admin import changelog_topics
+from pipeline.compat import producer_partitions_for
+from pipeline.terms import PRIORITIES
 
 log = logging.getLogger("surge.lifecycle")
 
@@ -34,12 +38,33 @@ class Lifecycle:
         self.app = app
         self.rt = rt
         self.ready = asyncio.Event()
+        #: set on SIGTERM: readers take on nothing new
+        self.stopping = False
+        #: the producer knows every topic surge writes (tables pick changelog partitions with the
+        #: producer's partitioner, which needs a topic's metadata before its first write)
+        self.writes_ready = asyncio.Event()
+
+    async def warm_writes(self) -> None:
+        """Load the producer's metadata of every topic this worker writes; then ``writes_ready``."""
+        s = self.rt.settings
+        topics = self.rt.topics
+        producer = self.app.producer
+        await producer.maybe_start()
+        names = [
+            *changelog_topics(s),
+            topics.replies,
+            topics.deadletter,
+            *(topics.work(p) for p in PRIORITIES),
+        ]
+        for name in names:
+            await producer_partitions_for(producer, name)
+        self.writes_ready.set()
 
     def can_serve(self) -> bool:
         """True when this worker serves traffic right now."""
         app = self.app
         inf = self.rt.inference
-        if inf is not None and not inf.ready.is_set():
+        if not self.writes_ready.is_set() or (inf is not None and not inf.ready.is_set()):
             return False
         try:
             assigned = bool(app.consumer.assignment())
@@ -65,30 +90,44 @@ class Lifecycle:
 
     async def drain(self, timeout_s: float) -> bool:
         """Let admitted work finish and be acked, then commit; True when nothing was left over."""
+        t0 = time.perf_counter()
         ok = await self.rt.acker.wait_idle(timeout_s)
+        committed = False
         try:
-            await self.app.consumer.commit()
+            # a commit already under way makes Faust return False without committing what was
+            # acked since: ask again until one of ours ran
+            for _ in range(5):
+                if await self.app.consumer.commit():
+                    committed = True
+                    break
         except Exception:
             log.exception("commit after drain failed")
+        log.warning(
+            "drained in %.2f s: finished=%s committed=%s, %d records unacked",
+            time.perf_counter() - t0, ok, committed, self.rt.acker.pending(),
+        )  # fmt: skip
         return ok
 
     async def on_revoked(self, revoked: set[TP]) -> None:
         """Called by Faust on every rebalance, after it paused the partitions."""
         s = self.rt.settings
-        ok = await self.drain(min(s.drain_timeout_s, s.session_timeout_s / 2))
+        ok = await self.drain(s.drain_timeout_s)
         self.rt.acker.revoke(revoked)
         if not ok:
             log.warning("rebalance: in-flight work not finished in time; it will be read again")
 
     async def graceful_stop(self) -> None:
-        """SIGTERM: stop admitting, drain, commit, leave the group."""
-        s = self.rt.settings
-        inf = self.rt.inference
-        if inf is not None:
-            inf.stopping = True
-        ok = await self.drain(s.drain_timeout_s)
-        log.info("graceful stop: drained=%s, %d records unacked", ok, self.rt.acker.pending())
-        await leave_group(self.app)
+        """SIGTERM: stop admitting, drain, commit; Faust's shutdown then leaves the group (a static
+        member keeps its partitions until its session times out, or it is back)."""
+        self.stopping = True
+        await self.drain(self.rt.settings.drain_timeout_s)
+
+    async def hold_if_stopping(self) -> None:
+        """Called by every reader before it takes on a record: once the worker is stopping, the
+        record is left untouched (not worked on, not acked) for the next owner, and the reader
+        waits for the shutdown to cancel it."""
+        if self.stopping:
+            await asyncio.Future()
 
 
 class SurgeWorker(faust.Worker):

@@ -12,16 +12,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import weakref
 from collections.abc import Awaitable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import faust
-from faust.streams import _current_event
 from faust.types import EventT
 
 from agents.acks import Acker
+from pipeline.compat import as_current_event
 from pipeline.keys import reply_key
 from pipeline.metrics import Metrics
 from pipeline.records import DeadLetter, ErrorInfo, InferenceReply, Timings, encode, now_ms
@@ -220,8 +219,5 @@ def event_context(event: EventT | None) -> Iterator[None]:
     if event is None:
         yield
         return
-    token = _current_event.set(weakref.ref(event))
-    try:
+    with as_current_event(event):
         yield
-    finally:
-        _current_event.reset(token)

@@ -95,6 +95,10 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
         await life.on_revoked(revoked)
 
     @app.task
+    async def warm_writes() -> None:
+        await life.warm_writes()
+
+    @app.task
     async def announce_ready() -> None:
         await life.watch_ready()
 

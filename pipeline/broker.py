@@ -71,7 +71,12 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def _cluster_id() -> str:
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    """A random KRaft cluster id. One starting with ``-`` would be read as an option by the storage
+    tool's argument parser (a 1-in-32 failure to format), so those are drawn again."""
+    while True:
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cid.startswith("-"):
+            return cid
 
 
 @dataclass

@@ -12,7 +12,6 @@ keeps both below their next minor release.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import weakref
 from collections.abc import Iterator
@@ -74,26 +73,3 @@ async def refresh_metadata(consumer: AIOKafkaConsumer) -> None:
     client: Any = consumer._client
     await client.force_metadata_update()
 
-
-async def leave_group(app: Any) -> bool:
-    """Leave the consumer group now, also as a static member; True when the request was sent.
-
-    aiokafka never sends LeaveGroup for a member with a ``group_instance_id`` (static membership
-    keeps partitions through a quick restart); on a deliberate stop surge wants them moved at once.
-    The consumer lives in Faust's consumer thread, so the call runs there.
-    """
-    thread = getattr(app.consumer, "_thread", None)
-    if thread is None:
-        return False
-    consumer = thread._ensure_consumer()
-    coordinator = consumer._coordinator
-
-    async def _leave() -> None:
-        coordinator._group_instance_id = None
-        await coordinator._maybe_leave_group()
-
-    try:
-        await asyncio.wait_for(thread.call_thread(_leave), 5.0)
-    except Exception:
-        return False
-    return True

@@ -21,6 +21,7 @@ from pipeline.records import InferenceReply
 from pipeline.samples import QUESTIONS, REPHRASINGS, USERS
 from pipeline.settings import Settings
 from pipeline.stats import percentile
+from pipeline.terms import PRIORITIES
 from pipeline.topics import TopicNames
 
 
@@ -35,7 +36,7 @@ def workload(n: int, seed: int = 7) -> list[dict[str, Any]]:
             text = rng.choice(REPHRASINGS)[1]
         else:
             text = rng.choice(QUESTIONS)
-        prio = rng.choices(["realtime", "interactive", "batch"], weights=[1, 6, 3])[0]
+        prio = rng.choices(PRIORITIES, weights=[1, 5, 3, 1])[0]  # all four classes
         out.append(
             {
                 "request_id": f"demo-{run}-{i}",

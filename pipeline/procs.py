@@ -7,6 +7,7 @@ stopped with SIGTERM and then SIGKILL. :class:`WorkerProcess` is a ``surge worke
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -86,6 +87,22 @@ class ManagedProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
+    def terminate(self) -> None:
+        """SIGTERM to the process only (a graceful stop: a worker drains, commits and leaves)."""
+        if self.running:
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait_exit(self, timeout_s: float = 60.0) -> int:
+        """Wait for the process to exit; its return code. Raises ``SurgeError`` on timeout."""
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            raise SurgeError(
+                f"{self.name} still running {timeout_s:.0f} s after SIGTERM:\n{self.tail()}"
+            ) from exc
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM, then SIGKILL when it has not exited after ``timeout_s``."""
         if self.running:
@@ -116,6 +133,11 @@ class WorkerProcess(ManagedProcess):
     def start(self) -> WorkerProcess:
         super().start()
         return self
+
+    def status(self) -> dict[str, object]:
+        """The worker's ``/status`` (queue depths, in flight, unacked records, assignment)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.web_port}/status", timeout=10) as r:
+            return dict(json.loads(r.read()))
 
     def metrics(self) -> str:
         """The worker's ``/metrics`` text."""

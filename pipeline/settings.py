@@ -63,9 +63,10 @@ class Settings(BaseSettings):
     )
     worker_id: str = Field("", description="name of this worker in logs; defaults to host:pid")
     static_membership: bool = Field(
-        True,
-        description="join the group with a stable group.instance.id, so a restarted worker gets its "
-        "partitions back without a rebalance",
+        False,
+        description="join the group with a stable group.instance.id: a worker back within "
+        "session_timeout_s gets its partitions without a rebalance, but a stopped one keeps them "
+        "unserved until then (pair it with restarts faster than the session timeout)",
     )
     group_instance_id: str = Field(
         "", description="static member id; empty: worker_id, else derived from the host and data_dir"
@@ -174,6 +175,12 @@ class Settings(BaseSettings):
     )
     embed_max_batch_size: int = Field(
         64, ge=1, le=1024, description="most questions embedded in one call (calls grow with the backlog)"
+    )
+    queue_target_ms: float = Field(
+        1000.0,
+        gt=0,
+        description="admitted work is kept to about this much embedding and model time (measured); "
+        "the rest waits in Kafka, so a rebalance or a stop drains quickly",
     )
     embed_queue_limit: int = Field(
         128, ge=1, description="admitted items waiting to be embedded before readers stop reading"
@@ -293,7 +300,7 @@ class Settings(BaseSettings):
         500,
         ge=1,
         le=10_000,
-        description="most records a risk stage processes at once (one broker round trip)",
+        description="most records a risk stage takes in one batch",
     )
     risk_batch_wait_ms: float = Field(
         5.0, ge=0, le=1000, description="once a record arrived, a risk stage waits this long for more, ms"

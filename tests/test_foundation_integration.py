@@ -21,10 +21,10 @@ async def gather_replies(futs: list, timeout_s: float = 90.0) -> list:
     return await asyncio.wait_for(asyncio.gather(*futs), timeout_s)
 
 
-async def test_500_requests_from_20_users_each_answered_once_in_order(deployment) -> None:
+async def test_500_requests_from_20_users_in_all_four_classes_each_answered_once_in_order(deployment) -> None:
     d = deployment(
         model="echo", cache_enabled="false", dedup_enabled="false", rate_limit_enabled="false",
-        deadline_interactive_ms="60000", deadline_batch_ms="60000",
+        deadline_realtime_ms="60000", deadline_interactive_ms="60000", deadline_batch_ms="60000",
     )  # fmt: skip
     d.worker()
     c = await d.client()
@@ -32,7 +32,7 @@ async def test_500_requests_from_20_users_each_answered_once_in_order(deployment
     sent: dict[tuple[str, str], list[str]] = defaultdict(list)
     for i in range(500):
         user = f"user-{i % 20}"
-        prio = "interactive" if i % 3 else "batch"
+        prio = ("realtime", "interactive", "batch", "offline")[(i // 20) % 4]
         futs.append(await c.submit(request(i, user, f"{user} asks question {i}", priority=prio)))
         sent[(user, prio)].append(f"r-{i}")
     await c.producer.flush()
@@ -49,6 +49,7 @@ async def test_500_requests_from_20_users_each_answered_once_in_order(deployment
         seen[(r.user_id, r.priority)].append(r.request_id)
     for key, order in sent.items():
         assert seen[key] == order, f"order broken for {key}"
+    assert {p for _, p in seen} == {"realtime", "interactive", "batch", "offline"}
 
 
 async def test_bad_inputs_get_error_replies_and_dead_letters_while_serving(deployment) -> None:
@@ -101,14 +102,20 @@ async def test_bad_inputs_get_error_replies_and_dead_letters_while_serving(deplo
     assert 'surge_deadletter_total{reason="invalid_request"} 7.0' in metrics
 
 
-async def test_sigkill_mid_stream_loses_nothing(deployment) -> None:
+async def test_sigkill_mid_stream_during_merges_loses_nothing_and_repeats_are_identical(deployment) -> None:
     d = deployment(
-        model="echo", echo_delay_ms="20", cache_enabled="false", dedup_enabled="false",
-        rate_limit_enabled="false", max_batch_size="4", base_batch_size="2", deadline_batch_ms="120000",
+        model="echo", echo_delay_ms="20", rate_limit_enabled="false", max_batch_size="4",
+        base_batch_size="2", deadline_batch_ms="120000", deadline_offline_ms="120000",
     )  # fmt: skip
     w = d.worker()
     c = await d.client()
-    futs = [await c.submit(request(i, f"u{i % 5}", priority="batch")) for i in range(300)]
+    # repeated questions: merges, cache hits and model calls are all in flight at the kill
+    futs = [
+        await c.submit(
+            request(i, f"u{i % 5}", f"question {i % 40}", priority=("batch", "offline")[i % 2])
+        )
+        for i in range(300)
+    ]
     await c.producer.flush()
     while len(c.replies) < 40:  # noqa: ASYNC110 - watching a counter the reader task bumps
         await asyncio.sleep(0.05)
@@ -119,6 +126,12 @@ async def test_sigkill_mid_stream_loses_nothing(deployment) -> None:
     replies = await gather_replies(futs, 120)
     assert {r.request_id for r in replies} == {f"r-{i}" for i in range(300)}
     assert all(r.status == "ok" for r in replies)
+    await asyncio.sleep(1.0)
+    by_id: dict[str, list] = defaultdict(list)
+    for r in c.replies:
+        by_id[r.request_id].append(r)
+    differing = [rid for rid, rs in by_id.items() if any(x != rs[0] for x in rs[1:])]
+    assert not differing, f"repeats must be the same reply: {differing[:5]}"
 
 
 async def test_round_trip_with_the_faq_model(deployment) -> None:

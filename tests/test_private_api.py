@@ -34,8 +34,6 @@ COMPAT = {"pipeline/compat.py", "tests/test_compat.py"}
 #: files that still use private APIs directly, until they switch to pipeline.compat; empty it then.
 #: Each entry names what to switch to.
 NOT_YET_SWITCHED: dict[str, str] = {
-    "agents/inference.py": "producer._ensure_producer().partitions_for → compat.producer_partitions_for",
-    "agents/runtime.py": "faust.streams._current_event → compat.as_current_event",
 }
 
 #: (file, expression) pairs that read a surge object's own private attribute whose name happens to be

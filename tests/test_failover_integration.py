@@ -1,0 +1,141 @@
+"""Failover on the real broker: redeliveries answered identically, SIGTERM without duplicates, a broker
+restart under load, and two workers sharing the load through a kill."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaProducer
+
+from pipeline.broker import EmbeddedKafka
+from tests.conftest import Deployment, request
+
+pytestmark = pytest.mark.integration
+
+ECHO = {
+    "model": "echo", "rate_limit_enabled": "false", "deadline_realtime_ms": "60000",
+    "deadline_interactive_ms": "60000", "deadline_batch_ms": "120000", "deadline_offline_ms": "120000",
+}  # fmt: skip
+
+
+def repeats(replies: list[Any]) -> tuple[int, list[str]]:
+    """(how many replies were repeats, request_ids whose repeats differ from the first reply)."""
+    by_id: dict[str, list[Any]] = defaultdict(list)
+    for r in replies:
+        by_id[r.request_id].append(r)
+    extra = sum(len(rs) - 1 for rs in by_id.values())
+    differing = [rid for rid, rs in by_id.items() if any(x != rs[0] for x in rs[1:])]
+    return extra, differing
+
+
+async def locate(d: Deployment, request_ids: list[str]) -> dict[str, object]:
+    """Where unanswered requests are: their work-topic records and the group's committed offsets."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    found: dict[str, object] = {}
+    for prio in ("realtime", "interactive", "batch", "offline"):
+        for r in await d.read_topic(d.topics.work(prio), timeout_s=3):
+            for rid in request_ids:
+                if f'"request_id":"{rid}"'.encode() in (r.value or b""):
+                    found.setdefault(rid, []).append(f"{r.topic}[{r.partition}]@{r.offset}")  # type: ignore[union-attr]
+    admin = AIOKafkaAdminClient(bootstrap_servers=d.bootstrap)
+    await admin.start()
+    try:
+        offsets = await admin.list_consumer_group_offsets(d.env["SURGE_APP_ID"])
+    finally:
+        await admin.close()
+    found["committed"] = {
+        f"{tp.topic}[{tp.partition}]": m.offset for tp, m in offsets.items() if "work" in tp.topic
+    }
+    return found
+
+
+async def test_a_request_read_again_gets_the_recorded_reply(deployment) -> None:
+    """A redelivery (the same request record, or its work item, read again after a crash) re-sends
+    the recorded reply instead of computing a new one."""
+    d = deployment(**ECHO, echo_delay_ms="5")
+    d.worker()
+    c = await d.client()
+    first = await c.request(request("once", "alice", "what is my balance?"), timeout_s=60)
+    assert first.status == "ok"
+    # the same request record again: intake answers from the reply book
+    again = c.expect("r-once")
+    await c.send_raw(b"alice", json.dumps(request("once", "alice", "what is my balance?")).encode())
+    assert (await asyncio.wait_for(again, 30)) == first
+    # its work item again (as if intake had forwarded it twice): inference answers from the book
+    items = await d.read_topic(d.topics.work("interactive"), min_count=1)
+    assert len(items) == 1
+    again = c.expect("r-once")
+    producer = AIOKafkaProducer(bootstrap_servers=d.bootstrap)
+    await producer.start()
+    try:
+        await producer.send_and_wait(d.topics.work("interactive"), items[0].value, key=items[0].key)
+    finally:
+        await producer.stop()
+    assert (await asyncio.wait_for(again, 30)) == first
+    assert "surge_replies_repeated_total 2.0" in d.workers[0].metrics()
+
+
+async def test_two_workers_sigterm_rolling_restart_gives_no_duplicates(deployment) -> None:
+    d = deployment(**ECHO, echo_delay_ms="10", max_batch_size="8", session_timeout_s="6")
+    w1 = d.worker(worker_id="a")
+    w2 = d.worker(worker_id="b", data_dir=str(d.tmp / "data-b"))
+    c = await d.client()
+    n = 600
+    futs = []
+    sent = [request(i, f"u{i % 12}", f"line {i}", priority=("batch", "offline")[i % 2]) for i in range(n)]
+    for i, req in enumerate(sent):
+        futs.append(await c.submit(req))
+        if i == 150:
+            await c.producer.flush()
+            w1.terminate()  # SIGTERM: stop taking work, drain, commit, leave the group
+        if i % 50 == 0:
+            await asyncio.sleep(0.25)
+    await c.producer.flush()
+    await asyncio.to_thread(w1.wait_exit, 60)
+    d.workers.remove(w1)
+    d.worker(worker_id="a")
+    w2.terminate()
+    await asyncio.to_thread(w2.wait_exit, 60)
+    done, pending = await asyncio.wait(futs, timeout=120)
+    if pending:
+        missing = sorted({r["request_id"] for r in sent} - {r.request_id for r in c.replies})
+        status = [w.status() for w in d.workers if w.running]
+        where = await locate(d, missing[:5])
+        raise AssertionError(
+            f"{len(missing)} never answered, e.g. {missing[:10]}; {where}; workers: {status}"
+        )
+    replies = [f.result() for f in done]
+    assert all(r.status == "ok" for r in replies), [r.error for r in replies if r.status != "ok"][:3]
+    await asyncio.sleep(2.0)
+    extra, differing = repeats(c.replies)
+    assert not differing
+    assert extra == 0, f"a graceful stop must not repeat replies ({extra} repeats)"
+
+
+async def test_broker_restart_under_load_loses_nothing(deployment, tmp_path: Path) -> None:
+    broker = EmbeddedKafka(tmp_path / "own-kafka", partitions=4, heap_mb=384)
+    broker.start()
+    try:
+        d = Deployment(broker, tmp_path / "dep", **ECHO, echo_delay_ms="5")
+        d.worker()
+        c = await d.client()
+        futs = [await c.submit(request(i, f"u{i % 8}", f"before {i}")) for i in range(150)]
+        await c.producer.flush()
+        await asyncio.wait_for(asyncio.gather(*futs[:20]), 60)
+        await asyncio.to_thread(broker.restart)
+        futs += [await c.submit(request(1000 + i, f"u{i % 8}", f"after {i}")) for i in range(150)]
+        await c.producer.flush()
+        replies = await asyncio.wait_for(asyncio.gather(*futs), 240)
+        assert len({r.request_id for r in replies}) == 300
+        assert all(r.status == "ok" for r in replies), [r.error for r in replies if r.status != "ok"][:3]
+        _, differing = repeats(c.replies)
+        assert not differing
+        await d.close()
+    finally:
+        broker.stop()

@@ -1,0 +1,127 @@
+"""Surges and second runs on the real broker: impossible deadlines, the level stepping down, the
+backlog staying in Kafka, rate limits in event time, and the demo run twice on one state."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.records import now_ms
+from tests.conftest import request
+
+pytestmark = pytest.mark.integration
+
+RELAXED_ALL = {
+    "deadline_realtime_ms": "60000", "deadline_interactive_ms": "60000", "deadline_batch_ms": "120000",
+    "deadline_offline_ms": "120000",
+}  # fmt: skip
+
+
+def level(metrics: str) -> float:
+    m = re.search(r"^surge_degradation_level (\S+)$", metrics, re.M)
+    assert m is not None
+    return float(m.group(1))
+
+
+async def test_impossible_client_deadlines_do_not_degrade_service_for_others(deployment) -> None:
+    d = deployment(model="echo", rate_limit_enabled="false", degrade_cooldown_ms="60000")
+    w = d.worker()
+    c = await d.client()
+    hostile = [
+        await c.submit(request(f"x{i}", f"mallory-{i % 4}", "now!", deadline_ms=1)) for i in range(150)
+    ]
+    await c.producer.flush()
+    hostile_replies = await asyncio.wait_for(asyncio.gather(*hostile), 60)
+    assert all(r.error is not None and r.error.code == "deadline_exceeded" for r in hostile_replies)
+    await asyncio.sleep(1.0)  # several controller ticks
+    assert level(w.metrics()) == 0.0, "a client's impossible deadlines must not raise the level"
+    fair = await asyncio.wait_for(
+        asyncio.gather(*[c.request(request(f"ok{i}", "alice", f"question {i}"), 30) for i in range(5)]), 60
+    )
+    assert all(r.status == "ok" and r.degradation_level == 0 for r in fair)
+
+
+async def test_the_level_steps_down_once_the_load_is_gone(deployment) -> None:
+    d = deployment(
+        model="echo", echo_delay_ms="150", max_batch_size="2", base_batch_size="1", rate_limit_enabled="false",
+        cache_enabled="false", dedup_enabled="false", degrade_up_queue_depth="[4,8,12]",
+        degrade_down_queue_depth="[2,6,10]", degrade_cooldown_ms="300", degrade_tick_ms="100", **RELAXED_ALL,
+    )  # fmt: skip
+    w = d.worker()
+    c = await d.client()
+    futs = [await c.submit(request(i, f"u{i % 6}", f"line {i}", priority="batch")) for i in range(60)]
+    await c.producer.flush()
+    peak = 0.0
+    while not all(f.done() for f in futs):
+        peak = max(peak, level(w.metrics()))
+        await asyncio.sleep(0.2)
+    assert peak >= 1, "the backlog must have raised the level"
+    deadline = time.monotonic() + 10
+    while level(w.metrics()) > 0 and time.monotonic() < deadline:  # noqa: ASYNC110 - polling a gauge
+        await asyncio.sleep(0.2)
+    assert level(w.metrics()) == 0.0, "with no traffic the controller must step back down to 0"
+
+
+async def test_admitted_work_stays_bounded_and_the_backlog_waits_in_kafka(deployment) -> None:
+    d = deployment(
+        model="echo", echo_delay_ms="50", max_batch_size="4", base_batch_size="2", rate_limit_enabled="false",
+        cache_enabled="false", dedup_enabled="false", queue_limit_per_class="16", embed_queue_limit="8",
+        degrade_enabled="false", **RELAXED_ALL,
+    )  # fmt: skip
+    w = d.worker()
+    c = await d.client()
+    futs = [await c.submit(request(i, f"u{i % 8}", f"line {i}", priority="offline")) for i in range(300)]
+    await c.producer.flush()
+    seen = 0
+    while not all(f.done() for f in futs):
+        st = w.status()
+        waiting = sum(st["arrivals_waiting"].values()) + sum(st["depths"].values())  # type: ignore[union-attr]
+        seen = max(seen, waiting)
+        await asyncio.sleep(0.1)
+    assert 0 < seen <= 16, f"admitted work must stay within the class limit, saw {seen}"
+    assert all(f.result().status == "ok" for f in futs)
+
+
+async def test_a_stalled_backlog_sent_within_the_rate_is_not_rate_limited(deployment) -> None:
+    """Charged at the request's own time: a backlog that waited in Kafka is not a burst."""
+    d = deployment(model="echo", user_rate_per_s_standard="5", user_burst_standard="2", **RELAXED_ALL)
+    c = await d.client()
+    start = now_ms() - 6_000
+    # 25 requests at 5/s (as their created_at says), all waiting in Kafka while no worker runs
+    paced = [
+        await c.submit(request(f"p{i}", "steady", f"q {i}", created_at=start + 200 * i)) for i in range(25)
+    ]
+    # and a real burst from another user: 25 at one instant
+    burst = [await c.submit(request(f"b{i}", "bursty", f"q {i}", created_at=start)) for i in range(25)]
+    await c.producer.flush()
+    await asyncio.sleep(1.0)
+    d.worker()
+    paced_replies = await asyncio.wait_for(asyncio.gather(*paced), 60)
+    burst_replies = await asyncio.wait_for(asyncio.gather(*burst), 60)
+    assert [r.error.code for r in paced_replies if r.error] == []
+    assert sum(r.error is not None and r.error.code == "rate_limited" for r in burst_replies) >= 20
+
+
+def _demo(data_dir: Path, summary: Path) -> dict[str, object]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "demo", "--n", "80", "--rate", "20", "--quiet",
+         "--data-dir", str(data_dir), "--summary-json", str(summary)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return dict(json.loads(summary.read_text()))
+
+
+def test_the_demo_twice_on_the_same_state_is_all_ok_both_times(tmp_path: Path) -> None:
+    first = _demo(tmp_path / "demo", tmp_path / "first.json")
+    second = _demo(tmp_path / "demo", tmp_path / "second.json")
+    for run in (first, second):
+        assert run["answered"] == run["sent"] == run["ok"], run
+        assert run["errors"] == {}, run
