@@ -384,7 +384,12 @@ async def _drive(env: BenchEnv, pool: Pool, plan: Plan, rate: float, stream: Que
 
 # ---- analysis ------------------------------------------------------------------------------------
 def strip(reply: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in reply.items() if k != "timings"}
+    """A reply without its timings, the error's fields flattened (``error.code``, ``error.message``), so
+    a difference names the field that differs."""
+    out = {k: v for k, v in reply.items() if k not in ("timings", "error")}
+    for k, v in (reply.get("error") or {}).items():
+        out[f"error.{k}"] = v
+    return out
 
 
 def _in(t: float, spans: Sequence[tuple[float, float]]) -> bool:

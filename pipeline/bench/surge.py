@@ -728,6 +728,9 @@ async def _trace(
                         if tp.topic == topics.replies:
                             w["replies_on_rescan"] += 1
                         elif tp.topic == topics.requests:
+                            done = committed.get((tp.topic, tp.partition))
+                            if done is not None:
+                                where += " (committed past it)" if done > m.offset else " (not yet consumed)"
                             w["request"].append(where)
                         elif tp.topic == topics.deadletter:
                             with contextlib.suppress(Exception):
@@ -756,6 +759,10 @@ async def _trace(
             ),
             "of which still waiting in Kafka (not yet consumed)": sum(
                 1 for w in found if not w["replies_on_rescan"] and any("not yet consumed" in x for x in w["work"])
+            ),
+            "never forwarded, the group committed past it (lost at intake)": sum(
+                1 for w in found if not w["work"] and not w["replies_on_rescan"] and not w["deadletter"]
+                and any("committed past" in x for x in w["request"])
             ),
             "never forwarded to a work topic, no reply": sum(
                 1 for w in found if w["request"] and not w["work"] and not w["replies_on_rescan"]
