@@ -511,10 +511,6 @@ def build_risk_app(settings: Settings) -> tuple[faust.App, Runtime]:
     """A worker with the risk role only: no answer model, no answer caches."""
     from agents.lifecycle import Lifecycle
 
-    if os.environ.get("RISK_SWITCH"):
-        import sys
-
-        sys.setswitchinterval(float(os.environ["RISK_SWITCH"]))
     app = create_app(settings)
     rt = Runtime(settings, app, create_metrics())
     risk = register(rt)
