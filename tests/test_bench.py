@@ -92,7 +92,16 @@ def test_merging_fails_clearly_without_the_data(tmp_path: Path) -> None:
 def test_unknown_scenario_is_refused() -> None:
     with pytest.raises(ValueError, match="one of batching"):
         run_bench("speed", quick=True)
-    assert SCENARIOS == ("batching", "merging", "priority", "overhead", "gateway", "surge", "failover")
+    assert SCENARIOS == (
+        "batching",
+        "merging",
+        "priority",
+        "overhead",
+        "gateway",
+        "surge",
+        "failover",
+        "risk",
+    )
 
 
 # ---- quick runs against the real broker -----------------------------------------------------------

@@ -28,7 +28,7 @@ def test_kafka_actions(action: str) -> None:
     assert default.data_dir == ".surge-kafka" and default.port is None
 
 
-@pytest.mark.parametrize("role", ["intake", "inference", "all"])
+@pytest.mark.parametrize("role", ["intake", "inference", "all", "risk"])
 def test_worker_role(role: str) -> None:
     args = parse("worker", "--role", role, "--web-port", "6070")
     assert (args.role, args.web_port, args.fn) == (role, 6070, cli.cmd_worker)
@@ -85,7 +85,7 @@ def test_dedup_eval_flags() -> None:
     assert parse("dedup", "eval", "--pairs", "p.csv").thresholds is None
 
 
-@pytest.mark.parametrize("scenario", ["batching", "merging", "priority", "overhead", "gateway"])
+@pytest.mark.parametrize("scenario", ["batching", "merging", "priority", "overhead", "gateway", "risk"])
 def test_bench_scenarios(scenario: str) -> None:
     args = parse("bench", scenario, "--quick", "--json", "b.json", "--plot", "b.png")
     assert (args.scenario, args.quick, args.json, args.plot) == (scenario, True, "b.json", "b.png")
@@ -143,7 +143,7 @@ def _run(*argv: str) -> subprocess.CompletedProcess[str]:
 def test_help_runs_in_a_subprocess() -> None:
     proc = _run("--help")
     assert proc.returncode == 0, proc.stderr
-    for command in ["kafka", "worker", "send", "tail", "demo", "faq", "dedup", "bench", "gateway"]:
+    for command in ["kafka", "worker", "send", "tail", "demo", "faq", "dedup", "bench", "gateway", "risk"]:
         assert command in proc.stdout
 
 
