@@ -281,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pipeline.riskops import add_parser as add_risk_parser
 
     add_risk_parser(sub)
+    from pipeline.replay.cli import add_parser as add_replay_parser
+
+    add_replay_parser(sub)
     return p
 
 

@@ -259,3 +259,31 @@ def test_plots(tmp_path) -> None:  # type: ignore[no-untyped-def]
     rrep = compare.compare_risk(["e"], {"e": _dec("approve", 0.1)}, {"e": _dec("review", 0.7)})
     assert plot_report(rrep, tmp_path / "k.png").stat().st_size > 10_000
     assert "_series" not in compare.public(rep)
+
+
+def test_the_replay_starts_from_the_live_settings() -> None:
+    from pydantic import SecretStr
+
+    live = plan.live_env(
+        {
+            "model": "echo",
+            "app_id": "surge",
+            "degrade_up_queue_depth": (1.0, 2.0, 3.0),
+            "dedup_enabled": True,
+            "kafka_sasl_password": SecretStr("pw"),
+            "model_path": None,
+        }
+    )
+    assert live == {"SURGE_MODEL": "echo", "SURGE_DEGRADE_UP_QUEUE_DEPTH": "[1.0, 2.0, 3.0]",
+                    "SURGE_DEDUP_ENABLED": "true", "SURGE_KAFKA_SASL_PASSWORD": "pw"}  # fmt: skip
+    n = ReplayNames("surge", "surge.", "r1")
+    env = plan.worker_env(n, broker="b", data_dir="d", partitions=1, role="all", live=live)
+    assert env["SURGE_MODEL"] == "echo" and env["SURGE_DEDUP_ENABLED"] == "false"
+    env = plan.worker_env(n, broker="b", data_dir="d", partitions=1, role="all", live=live, caches=True)
+    assert env["SURGE_DEDUP_ENABLED"] == "true" and "SURGE_CACHE_ENABLED" not in env
+    assert (
+        plan.worker_env(n, broker="b", data_dir="d", partitions=1, role="all", live=live, model="faq")[
+            "SURGE_MODEL"
+        ]
+        == "faq"
+    )

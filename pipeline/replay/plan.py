@@ -259,6 +259,30 @@ def parse_sets(items: Sequence[str], field_names: Sequence[str]) -> dict[str, st
     return out
 
 
+def env_value(value: object) -> str | None:
+    """A setting's value as an environment variable reads it (None: leave it unset)."""
+    if value is None:
+        return None
+    if hasattr(value, "get_secret_value"):
+        return str(value.get_secret_value())
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple | list):
+        return json.dumps(list(value))
+    return str(value)
+
+
+def live_env(values: Mapping[str, object]) -> dict[str, str]:
+    """``SURGE_*`` variables of the live settings given explicitly (``values``: field → value), less
+    the identity keys: the replay starts from what live traffic ran with."""
+    out = {}
+    for name, value in values.items():
+        text = env_value(value)
+        if name not in IDENTITY_KEYS and text is not None:
+            out[f"SURGE_{name.upper()}"] = text
+    return out
+
+
 def worker_env(
     names: ReplayNames,
     *,
@@ -269,13 +293,19 @@ def worker_env(
     model: str | None = None,
     sets: Mapping[str, str] | None = None,
     caches: bool = False,
+    live: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The ``SURGE_*`` environment of the replay's worker: its identity, :data:`REPLAY_DEFAULTS`
-    (caches and merging left on with ``caches``), then ``model`` and ``sets``."""
-    env = {f"SURGE_{k.upper()}": v for k, v in REPLAY_DEFAULTS.items()}
+    """The ``SURGE_*`` environment of the replay's worker: the ``live`` settings (:func:`live_env`),
+    :data:`REPLAY_DEFAULTS` (caches and merging left as live had them with ``caches``), ``model``,
+    ``sets``, then its identity."""
+    env = dict(live or {})
+    env.update({f"SURGE_{k.upper()}": v for k, v in REPLAY_DEFAULTS.items()})
     if caches:
-        env.pop("SURGE_CACHE_ENABLED")
-        env.pop("SURGE_DEDUP_ENABLED")
+        for key in ("SURGE_CACHE_ENABLED", "SURGE_DEDUP_ENABLED"):
+            if live and key in live:
+                env[key] = live[key]
+            else:
+                env.pop(key)
     if model:
         env["SURGE_MODEL"] = model
     env.update({f"SURGE_{k.upper()}": v for k, v in (sets or {}).items()})

@@ -1,0 +1,550 @@
+"""``surge replay``: recorded topic history through an isolated pipeline, compared with live
+(docs/architecture.md, "Replay").
+
+1. Find the range by record timestamp (``offsets_for_times``) with a consumer that has no group and
+   commits nothing.
+2. Create the replay's own topics (prefix ``<prefix>replay.<id>.``; the copied input keeps its records
+   forever, whatever their age) and start a worker with the replay's app id, prefix, state folder,
+   :data:`pipeline.replay.plan.REPLAY_DEFAULTS`, the model and ``--set`` settings, at a lower CPU
+   priority (``SURGE_REPLAY_NICE``).
+3. Copy the range into the replay's input topic, partition for partition, key, value and timestamp
+   kept, except a request's ``reply_to`` (the replay's replies topic), throttled to
+   ``SURGE_REPLAY_RATE_PER_S``. Risk events: the 24 h before ``--from`` first (warm-up, not compared),
+   and the live rules.
+4. Collect the replay's replies (or decisions), read the live ones for the same ids, compare, write
+   ``report.json``, ``report.png`` and print a summary; delete the replay's topics.
+
+The only topics it writes are its own (:meth:`ReplayNames.owns` is checked before each copy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+from tqdm import tqdm
+
+from pipeline.broker import free_port
+from pipeline.compat import refresh_metadata
+from pipeline.deployment import load_settings
+from pipeline.kafka_security import client_options
+from pipeline.procs import WorkerProcess
+from pipeline.records import now_ms
+from pipeline.replay import compare, plan
+from pipeline.replay.plan import Copy, PartitionRange, ReplayError, ReplayNames, Throttle
+from pipeline.replyto import ReplyToPolicy
+from pipeline.settings import Settings
+from pipeline.topics import TopicNames
+
+log = logging.getLogger("surge.replay")
+
+READY = {"all": "surge worker ready", "risk": "surge risk ready"}
+
+
+@dataclass
+class ReplayOptions:
+    """What ``surge replay`` was asked to do."""
+
+    topic: str
+    from_ms: int
+    to_ms: int
+    model: str | None = None
+    sets: dict[str, str] = field(default_factory=dict)
+    caches: bool = False
+    out_dir: Path | None = None
+    replay_id: str | None = None
+    keep_topics: bool = False
+    labels_path: Path | None = None
+    rate_per_s: float | None = None
+    warmup: bool = True
+    quiet: bool = False
+    #: how long to wait for the worker to be ready, seconds
+    start_timeout_s: float = 300.0
+
+
+@dataclass
+class ReplayResult:
+    report: dict[str, Any]
+    report_path: Path
+    plot_path: Path
+    names: ReplayNames
+    #: the replay's replies (or decisions) by key, as dicts
+    replies: dict[Any, dict[str, Any]]
+
+
+def _consumer(s: Settings, **kw: Any) -> AIOKafkaConsumer:
+    """A consumer with no group: it reads assigned partitions and never commits anything."""
+    return AIOKafkaConsumer(
+        bootstrap_servers=s.bootstrap_servers, group_id=None, enable_auto_commit=False,
+        fetch_max_wait_ms=50, max_partition_fetch_bytes=4 << 20, **client_options(s), **kw,
+    )  # fmt: skip
+
+
+async def partitions_of(consumer: AIOKafkaConsumer, topic: str, tries: int = 30) -> list[int]:
+    for _ in range(tries):
+        parts = consumer.partitions_for_topic(topic)
+        if parts:
+            return sorted(parts)
+        await refresh_metadata(consumer)
+        await asyncio.sleep(0.1)
+    return []
+
+
+async def locate(
+    consumer: AIOKafkaConsumer, topic: str, from_ms: int, to_ms: int
+) -> tuple[list[int], list[PartitionRange]]:
+    """The partitions of ``topic`` and the offsets of ``[from_ms, to_ms)`` in each (``offsets_for_times``)."""
+    parts = await partitions_of(consumer, topic)
+    if not parts:
+        raise ReplayError(f"topic {topic!r} does not exist on the cluster; nothing to replay")
+    tps = [TopicPartition(topic, p) for p in parts]
+    starts = await consumer.offsets_for_times({tp: from_ms for tp in tps})
+    stops = await consumer.offsets_for_times({tp: to_ms for tp in tps})
+    ends = await consumer.end_offsets(tps)
+    ranges = plan.plan_ranges(
+        {tp.partition: (o.offset if o is not None else None) for tp, o in starts.items()},
+        {tp.partition: (o.offset if o is not None else None) for tp, o in stops.items()},
+        {tp.partition: end for tp, end in ends.items()},
+    )
+    return parts, ranges
+
+
+async def read_ranges(consumer: AIOKafkaConsumer, topic: str, ranges: Iterable[PartitionRange]) -> list[Any]:
+    """Every record of ``ranges`` (offsets ``[start, end)`` per partition), in offset order per partition."""
+    todo = {r.partition: r for r in ranges if r.count}
+    if not todo:
+        return []
+    tps = {p: TopicPartition(topic, p) for p in todo}
+    consumer.assign(list(tps.values()))
+    for p, r in todo.items():
+        consumer.seek(tps[p], r.start)
+    out: list[Any] = []
+    open_parts = set(todo)
+    idle = 0
+    while open_parts and idle < 100:
+        batch = await consumer.getmany(*[tps[p] for p in open_parts], timeout_ms=200, max_records=5000)
+        idle = 0 if batch else idle + 1
+        for tp, records in batch.items():
+            r = todo[tp.partition]
+            out.extend(rec for rec in records if rec.offset < r.end)
+        for p in list(open_parts):  # a partition may end in a gap (compaction, transaction markers)
+            if await consumer.position(tps[p]) >= todo[p].end:
+                open_parts.discard(p)
+    if open_parts:
+        raise ReplayError(f"could not read partitions {sorted(open_parts)} of {topic!r} to their range end")
+    return out
+
+
+async def read_since(s: Settings, topics: Iterable[str], since_ms: int) -> list[Any]:
+    """Every record of ``topics`` with a timestamp from ``since_ms`` on (those that exist), no group."""
+    consumer = _consumer(s)
+    await consumer.start()
+    out: list[Any] = []
+    try:
+        for topic in sorted(set(topics)):
+            parts = await partitions_of(consumer, topic, tries=5)
+            if not parts:
+                continue
+            tps = [TopicPartition(topic, p) for p in parts]
+            starts = await consumer.offsets_for_times({tp: since_ms for tp in tps})
+            ends = await consumer.end_offsets(tps)
+            ranges = [
+                PartitionRange(tp.partition, starts[tp].offset if starts[tp] else ends[tp], ends[tp])
+                for tp in tps
+            ]
+            out += await read_ranges(consumer, topic, ranges)
+    finally:
+        await consumer.stop()
+    return out
+
+
+async def create_own_topics(
+    s: Settings, names: ReplayNames, topics: Mapping[str, dict[str, str]], partitions: int
+) -> None:
+    """Create the replay's topics with their configs (only names the replay owns)."""
+    for name in topics:
+        if not names.owns(name):
+            raise ReplayError(f"refusing to create {name!r}: not a topic of replay {names.replay_id}")
+    admin = AIOKafkaAdminClient(bootstrap_servers=s.bootstrap_servers, **client_options(s))
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        new = [NewTopic(n, partitions, s.replication_factor, topic_configs=dict(c)) for n, c in topics.items()
+               if n not in existing]  # fmt: skip
+        if new:
+            with contextlib.suppress(TopicAlreadyExistsError):
+                await admin.create_topics(new)
+    finally:
+        await admin.close()
+
+
+async def delete_own_topics(s: Settings, names: ReplayNames) -> list[str]:
+    """Delete every topic the replay owns (its prefix or its app id); nothing else."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=s.bootstrap_servers, **client_options(s))
+    await admin.start()
+    try:
+        mine = sorted(t for t in await admin.list_topics() if names.owns(t))
+        if mine:
+            await admin.delete_topics(mine)
+        return mine
+    finally:
+        await admin.close()
+
+
+class Collector:
+    """Reads an output topic of the replay from the beginning (no group), keeping each key's first
+    record and when it arrived (monotonic seconds)."""
+
+    def __init__(self, s: Settings, topic: str, key_of: Callable[[dict[str, Any]], Any]) -> None:
+        self.s = s
+        self.topic = topic
+        self.key_of = key_of
+        self.records: dict[Any, dict[str, Any]] = {}
+        self.arrived: dict[Any, float] = {}
+        self.changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._consumer = _consumer(s, auto_offset_reset="earliest")
+
+    async def start(self) -> None:
+        await self._consumer.start()
+        parts = await partitions_of(self._consumer, self.topic, tries=100)
+        if not parts:
+            raise ReplayError(f"output topic {self.topic!r} does not exist")
+        tps = [TopicPartition(self.topic, p) for p in parts]
+        self._consumer.assign(tps)
+        await self._consumer.seek_to_beginning(*tps)
+        self._task = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        async for msg in self._consumer:
+            try:
+                data = json.loads(msg.value)
+                key = self.key_of(data)
+            except (ValueError, KeyError, TypeError):
+                log.warning("undecodable record at %s[%d]@%d", msg.topic, msg.partition, msg.offset)
+                continue
+            if key not in self.records:
+                self.records[key] = data
+                self.arrived[key] = time.monotonic()
+                self.changed.set()
+
+    async def wait_for(self, keys: set[Any], idle_timeout_s: float, bar: tqdm | None = None) -> None:
+        """Until every key of ``keys`` has a record, or nothing new came for ``idle_timeout_s``."""
+        last = time.monotonic()
+        done = 0
+        while True:
+            have = sum(1 for k in keys if k in self.records)
+            if bar is not None and have > done:
+                bar.update(have - done)
+            if have > done:
+                done, last = have, time.monotonic()
+            if have >= len(keys):
+                return
+            if time.monotonic() - last > idle_timeout_s:
+                return
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), 1.0)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._consumer.stop()
+
+
+def start_worker(env: Mapping[str, str], log_path: Path, role: str, nice: int) -> WorkerProcess:
+    """A ``surge worker`` for the replay, at niceness ``nice`` (the OS serves live workers first)."""
+    w = WorkerProcess(env, log_path, role=role)
+    if nice > 0:
+        w.argv = ["nice", "-n", str(nice), *w.argv]
+    return w.start()
+
+
+def live_settings_env(s: Settings) -> dict[str, str]:
+    """The ``SURGE_*`` variables behind the live settings ``s`` (those not left at their default)."""
+    return plan.live_env({name: getattr(s, name) for name in s.model_fields_set})
+
+
+def request_key(reply: dict[str, Any]) -> tuple[str, str]:
+    return (str(reply["user_id"]), str(reply["request_id"]))
+
+
+def event_key(decision: dict[str, Any]) -> str:
+    return str(decision["event_id"])
+
+
+def load_labels(path: Path | None) -> dict[str, int]:
+    """``event_id → label`` from a JSON-lines file written by ``surge risk simulate``."""
+    if path is None:
+        return {}
+    out: dict[str, int] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            row = json.loads(line)
+            if isinstance(row, dict) and "event_id" in row and "label" in row:
+                out[str(row["event_id"])] = int(row["label"])
+    return out
+
+
+async def _copy(
+    producer: AIOKafkaProducer,
+    names: ReplayNames,
+    target: str,
+    records: list[tuple[Any, bytes]],
+    throttle: Throttle,
+    sent_at: dict[Any, float],
+    bar: tqdm | None,
+) -> None:
+    """Copy ``(record, value)`` pairs to ``target``: same partition, key and timestamp."""
+    if not names.owns(target):
+        raise ReplayError(f"refusing to write {target!r}: not a topic of replay {names.replay_id}")
+    pending = []
+    for i, (rec, value) in enumerate(records):
+        wait = throttle.delay()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        fut = await producer.send(
+            target, value=value, key=rec.key, partition=rec.partition, timestamp_ms=rec.timestamp,
+            headers=list(rec.headers or []),
+        )  # fmt: skip
+        key = getattr(rec, "_surge_key", None)
+        if key is not None:
+            sent_at.setdefault(key, time.monotonic())
+        pending.append(fut)
+        if len(pending) >= 500 or i == len(records) - 1:
+            for f in pending:
+                await f
+            if bar is not None:
+                bar.update(len(pending))
+            pending = []
+
+
+class _Rec:
+    """A consumer record with the key the replay joins it on."""
+
+    __slots__ = ("_surge_key", "headers", "key", "offset", "partition", "timestamp", "value")
+
+    def __init__(self, rec: Any, key: Any) -> None:
+        self.key, self.value, self.partition, self.offset = rec.key, rec.value, rec.partition, rec.offset
+        self.timestamp, self.headers = rec.timestamp, rec.headers
+        self._surge_key = key
+
+
+async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> ReplayResult:
+    """Replay ``opts`` against the cluster of ``settings`` (default: the environment's)."""
+    s = settings or Settings.load()
+    plan.check_range(opts.from_ms, opts.to_ms)
+    if opts.topic not in plan.SOURCES:
+        raise ReplayError(f"--topic {opts.topic!r}: one of {', '.join(plan.SOURCES)}")
+    risk = opts.topic == "risk-events"
+    rid = opts.replay_id or plan.new_replay_id(now_ms(), secrets.token_hex(3))
+    names = ReplayNames(s.app_id, s.topic_prefix, rid)
+    live_t, own_t = TopicNames(s.topic_prefix), names.topics
+    source = live_t.risk_events if risk else live_t.requests
+    target = own_t.risk_events if risk else own_t.requests
+    out_dir = Path(opts.out_dir or f"replay-{rid}")
+    await asyncio.to_thread(out_dir.mkdir, parents=True, exist_ok=True)
+    rate = s.replay_rate_per_s if opts.rate_per_s is None else opts.rate_per_s
+    say = (lambda *_: None) if opts.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+
+    consumer = _consumer(s)
+    await consumer.start()
+    try:
+        parts, ranges = await locate(consumer, source, opts.from_ms, opts.to_ms)
+        records = await read_ranges(consumer, source, ranges)
+        warm: list[Any] = []
+        if risk and opts.warmup:
+            _, warm_ranges = await locate(consumer, source, opts.from_ms - plan.RISK_WARMUP_MS, opts.from_ms)
+            warm = await read_ranges(consumer, source, warm_ranges)
+        rules: list[Any] = []
+        if risk:
+            rparts = await partitions_of(consumer, live_t.risk_rules, tries=5)
+            if rparts:
+                ends = await consumer.end_offsets([TopicPartition(live_t.risk_rules, p) for p in rparts])
+                rules = await read_ranges(
+                    consumer,
+                    live_t.risk_rules,
+                    [PartitionRange(tp.partition, 0, e) for tp, e in ends.items()],
+                )
+    finally:
+        await consumer.stop()
+    if not records:
+        raise ReplayError(
+            f"no records on {source!r} between {opts.from_ms} and {opts.to_ms} ms "
+            f"({(opts.to_ms - opts.from_ms) / 1000:.0f} s); nothing to replay"
+        )
+    say(f"replay {rid}: {len(records)} records of {source} in range"
+        + (f", {len(warm)} warm-up events from the 24 h before" if risk else ""))  # fmt: skip
+
+    # the copies and the keys they are joined on
+    live_policy = ReplyToPolicy(live_t, s.app_id, s.reply_topic_pattern)
+    copies: list[tuple[Any, bytes]] = []
+    live_reply_topics: set[str] = set()
+    expected: list[Any] = []
+    for rec in records:
+        if risk:
+            ids = _event_id(rec.value)
+            copies.append((_Rec(rec, ids), rec.value))
+            if ids is not None:
+                expected.append(ids)
+        else:
+            c: Copy = plan.rewrite_request(rec.value, own_t.replies, live_policy)
+            copies.append((_Rec(rec, c.ids), c.value))
+            if c.ids is not None:
+                expected.append(c.ids)
+                if c.live_reply_topic:
+                    live_reply_topics.add(c.live_reply_topic)
+    warm_copies = [(_Rec(rec, None), rec.value) for rec in warm]
+
+    role = "risk" if risk else "all"
+    env = plan.worker_env(
+        names, broker=s.broker, data_dir=str((out_dir / "state").absolute()), partitions=len(parts),
+        role=role, model=opts.model, sets=opts.sets, caches=opts.caches, live=live_settings_env(s),
+    )  # fmt: skip
+    env["SURGE_WEB_PORT"] = str(free_port())
+    replay_settings = load_settings(env)
+    changed = plan.changed_settings(opts.model, s.model, opts.sets)
+    keep_forever = {"retention.ms": "-1"}
+    own = {target: keep_forever}
+    await create_own_topics(s, names, own, len(parts))
+    from pipeline.admin import ensure_topics
+
+    if risk:
+        from agents.risk import ensure_risk_topics
+
+        await ensure_risk_topics(replay_settings)
+    else:
+        await ensure_topics(replay_settings)
+
+    out_topic = own_t.risk_decisions if risk else own_t.replies
+    collector = Collector(s, out_topic, event_key if risk else request_key)
+    worker: WorkerProcess | None = None
+    producer = AIOKafkaProducer(
+        bootstrap_servers=s.bootstrap_servers, acks="all", linger_ms=5, max_request_size=8 << 20,
+        **client_options(s),
+    )  # fmt: skip
+    sent_at: dict[Any, float] = {}
+    t0 = time.monotonic()
+    try:
+        await producer.start()
+        if rules:
+            if not names.owns(own_t.risk_rules):
+                raise ReplayError(f"refusing to write {own_t.risk_rules!r}")
+            for r in rules:
+                await producer.send_and_wait(own_t.risk_rules, value=r.value, key=r.key)
+        await collector.start()
+        say(f"starting the replay worker (app id {names.app_id}, prefix {names.prefix}) ...")
+        worker = start_worker(env, out_dir / "worker.log", role, s.replay_nice)
+        await asyncio.to_thread(worker.wait_ready, READY[role], opts.start_timeout_s)
+        ready_s = time.monotonic() - t0
+        bar = None if opts.quiet else tqdm(total=len(copies) + len(warm_copies), desc="copied", unit="rec")
+        throttle = Throttle(rate, time.monotonic)
+        t_copy = time.monotonic()
+        await _copy(producer, names, target, warm_copies, throttle, {}, bar)
+        await _copy(producer, names, target, copies, throttle, sent_at, bar)
+        if bar is not None:
+            bar.close()
+        want = set(expected)
+        rbar = None if opts.quiet else tqdm(total=len(want), desc="replies", unit="rec")
+        await collector.wait_for(want, s.replay_idle_timeout_s, rbar)
+        if rbar is not None:
+            rbar.close()
+        t_done = max([collector.arrived[k] for k in want if k in collector.arrived], default=time.monotonic())
+    finally:
+        await collector.stop()
+        await producer.stop()
+        if worker is not None:
+            worker.stop()
+    replies = {k: v for k, v in collector.records.items() if k in set(expected)}
+    latency = {k: (collector.arrived[k] - sent_at[k]) * 1000 for k in replies if k in sent_at}
+
+    # what live traffic got, read without a group
+    if risk:
+        live_out = await read_since(s, [live_t.risk_decisions], opts.from_ms)
+    else:
+        live_out = await read_since(s, live_reply_topics or {live_t.replies}, opts.from_ms)
+    live: dict[Any, dict[str, Any]] = {}
+    want = set(expected)
+    for rec in live_out:
+        try:
+            data = json.loads(rec.value)
+            key = event_key(data) if risk else request_key(data)
+        except (ValueError, KeyError, TypeError):
+            continue
+        if key in want and key not in live:
+            live[key] = data
+    if risk:
+        report = compare.compare_risk(
+            expected,
+            live,
+            replies,
+            replay_latency_ms=latency,
+            labels=load_labels(opts.labels_path),
+            changed=changed,
+        )
+    else:
+        report = compare.compare_requests(expected, live, replies, replay_latency_ms=latency, changed=changed)
+
+    span_s = (opts.to_ms - opts.from_ms) / 1000
+    stamps = [r.timestamp for r in records]
+    processing_s = max(1e-3, t_done - t_copy)
+    report["replay"] = {
+        "id": rid, "app_id": names.app_id, "topic_prefix": names.prefix, "source_topic": source,
+        "from_ms": opts.from_ms, "to_ms": opts.to_ms, "records": len(records), "warmup_records": len(warm),
+        "partitions": len(parts), "model": replay_settings.served_model, "sets": opts.sets, "caches": opts.caches,
+        "defaults": {k: v for k, v in plan.REPLAY_DEFAULTS.items()
+                     if not (opts.caches and k in ("cache_enabled", "dedup_enabled")) and k not in opts.sets},
+        "rate_limit_per_s": rate, "worker_start_s": round(ready_s, 2), "processing_s": round(processing_s, 3),
+        "range_s": span_s, "recorded_span_s": round((max(stamps) - min(stamps)) / 1000, 3),
+        "speed_factor": round(span_s / processing_s, 2),
+        "speed_factor_with_start": round(span_s / (t_done - t0), 2),
+        "live_reply_topics": sorted(live_reply_topics) if not risk else [live_t.risk_decisions],
+    }  # fmt: skip
+    if not opts.keep_topics:
+        report["replay"]["deleted_topics"] = await delete_own_topics(s, names)
+    report_path = out_dir / "report.json"
+    report_path.write_text(json.dumps(compare.public(report), indent=2, default=str) + "\n", encoding="utf-8")
+    from pipeline.replay.plot import plot_report
+
+    plot_path = plot_report(report, out_dir / "report.png", title=f"surge replay {rid} ({opts.topic})")
+    if not opts.quiet:
+        for line in compare.summary_lines(report):
+            print(line)
+        r = report["replay"]
+        print(
+            f"range {r['range_s']:.0f} s replayed in {r['processing_s']:.1f} s = {r['speed_factor']}x real time "
+            f"({r['speed_factor_with_start']}x with the worker's {r['worker_start_s']:.0f} s start)"
+        )
+        print(f"report: {report_path}  plot: {plot_path}")
+    return ReplayResult(report, report_path, plot_path, names, replies)
+
+
+def _event_id(raw: bytes | None) -> str | None:
+    from pipeline.risk.records import salvage_event_ids
+
+    ids = salvage_event_ids(raw)
+    return None if ids is None else ids[0]
+
+
+def run(opts: ReplayOptions) -> ReplayResult:
+    """Blocking entry point of ``surge replay``."""
+    os.environ.setdefault("TQDM_MININTERVAL", "1")
+    return asyncio.run(run_replay(opts))
