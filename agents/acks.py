@@ -43,9 +43,16 @@ class Acker:
         self._tasks: set[asyncio.Task[None]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+        #: bumped on every rebalance: records received before it are stale
+        self.generation = 0
 
-    def track(self, stream: faust.StreamT, event: EventT) -> Ticket:
-        """Register a record as read (called by a reader before anything else)."""
+    def track(self, stream: faust.StreamT, event: EventT, generation: int | None = None) -> Ticket | None:
+        """Register a record as taken on; None when it is stale: received before a rebalance that
+        happened while its reader waited (``generation`` is :attr:`generation` at receipt). A stale
+        record is dropped untouched: its partition is read again from the committed offset by
+        whoever owns it now, and acking it here could commit past another owner's unread records."""
+        if generation is not None and generation != self.generation:
+            return None
         msg = event.message
         ledger = self._ledgers.get(msg.tp)
         if ledger is None or (ledger.last_read is not None and msg.offset <= ledger.last_read):
@@ -101,6 +108,7 @@ class Acker:
 
     def revoke(self, tps: Iterable[TP]) -> None:
         """Drop the ledgers of revoked partitions (called on every rebalance)."""
+        self.generation += 1
         for tp in tps:
             self._ledgers.pop(tp, None)
         if self.pending() == 0:

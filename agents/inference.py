@@ -236,12 +236,15 @@ class Inference:
     async def admit(self, priority: str, stream: faust.StreamT, event: EventT) -> None:
         """Called by a work-topic reader for each record, in order."""
         rt = self.rt
+        generation = rt.acker.generation
         await self.ready.wait()
         await self._wait_admit(priority)
         await rt.lifecycle.hold_if_stopping()
         # tracked only once admitted: a record still held by a waiting reader at a stop or a
         # rebalance was not worked on, and its next owner reads it without it being a repeat
-        ticket = rt.acker.track(stream, event)
+        ticket = rt.acker.track(stream, event, generation)
+        if ticket is None:
+            return
         try:
             work = decode_work_item(event)
         except WorkItemError as exc:
@@ -416,6 +419,30 @@ class Inference:
         if s.dedup_enabled and req.cache:
             self.merges.open(it.lead_id, it.scope, it.inp.text, vector, rank)
 
+    async def failed(self, stream: faust.StreamT, event: EventT, exc: Exception) -> None:
+        """An internal error on one record: an error reply where the request can be read, a dead
+        letter, then the ack (nothing is left without an answer, nothing blocks the partition)."""
+        rt = self.rt
+        futs = []
+        try:
+            work = decode_work_item(event)
+        except WorkItemError:
+            work = None
+        if work is not None:
+            req = work.request
+            self._inflight.pop(reply_key(req.tenant, req.user_id, req.request_id), None)
+            futs.append(
+                await rt.error_reply(
+                    request_id=req.request_id, user_id=req.user_id, reply_to=work.reply_to, code="internal",
+                    message=f"internal error: {type(exc).__name__}", priority=work.priority,
+                    created_at_ms=work.created_at_ms, tenant=req.tenant, event=event,
+                )
+            )  # fmt: skip
+        futs.append(await rt.deadletter(event, "internal", f"internal error: {exc!r}"))
+        ticket = rt.acker.ticket_of(event) or rt.acker.track(stream, event)
+        if ticket is not None:
+            rt.acker.ack_after([ticket], futs)
+
     # ---- batches ---------------------------------------------------------------------------------
     async def batch_loop(self) -> None:
         """Pop micro-batches and run them, one model call at a time."""
@@ -578,9 +605,7 @@ def register(rt: Runtime, inf: Inference) -> None:
                         await inf.admit(prio, s, event)
                     except Exception as exc:
                         log.exception("inference admit failed")
-                        fut = await rt.deadletter(event, "internal", f"internal error: {exc!r}")
-                        ticket = rt.acker.ticket_of(event) or rt.acker.track(s, event)
-                        rt.acker.ack_after([ticket], [fut])
+                        await inf.failed(s, event, exc)
 
             reader.__name__ = f"inference_{prio}"
             return reader

@@ -86,9 +86,12 @@ class Intake:
     async def handle(self, stream: faust.StreamT, event: EventT) -> None:
         """Process one record; its ack follows once its outputs are on the broker."""
         rt, s, msg = self.rt, self.rt.settings, event.message
+        generation = rt.acker.generation
         await rt.lifecycle.writes_ready.wait()
         await rt.lifecycle.hold_if_stopping()
-        ticket = rt.acker.track(stream, event)
+        ticket = rt.acker.track(stream, event, generation)
+        if ticket is None:
+            return
         futures: list[Awaitable[Any]] = []
         try:
             req = decode_request(
@@ -212,7 +215,6 @@ async def intake_failed(rt: Runtime, stream: faust.StreamT, event: EventT, exc: 
             )
         )  # fmt: skip
     futures.append(await rt.deadletter(event, "internal", f"internal error: {exc!r}"))
-    ticket = rt.acker.ticket_of(event)
-    if ticket is None:
-        ticket = rt.acker.track(stream, event)
-    rt.acker.ack_after([ticket], futures)
+    ticket = rt.acker.ticket_of(event) or rt.acker.track(stream, event)
+    if ticket is not None:
+        rt.acker.ack_after([ticket], futures)

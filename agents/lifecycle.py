@@ -139,6 +139,7 @@ class SurgeWorker(faust.Worker):
         self._draining: asyncio.Task[None] | None = None
 
     def _on_sigterm(self) -> None:
+        log.warning("SIGTERM: no new work; draining, committing, then stopping")
         if self._draining is None:
             self._draining = asyncio.ensure_future(self._drain_then_stop(), loop=self.loop)
 
@@ -147,4 +148,5 @@ class SurgeWorker(faust.Worker):
             await self.lifecycle.graceful_stop()
         except Exception:
             log.exception("graceful stop failed; stopping anyway")
+        log.warning("graceful stop done; shutting down")
         self._schedule_shutdown(signal.SIGTERM)

@@ -20,7 +20,7 @@ import faust
 from faust.types import EventT
 
 from agents.acks import Acker
-from pipeline.compat import as_current_event
+from pipeline.compat import as_current_event, producer_partitions_for
 from pipeline.keys import reply_key
 from pipeline.metrics import Metrics
 from pipeline.records import DeadLetter, ErrorInfo, InferenceReply, Timings, encode, now_ms
@@ -28,6 +28,10 @@ from pipeline.replybook import ReplyBook
 from pipeline.replyto import ReplyToPolicy
 from pipeline.settings import Settings
 from pipeline.topics import TopicNames
+
+#: raw bytes kept in a dead letter: base64 and the other fields then stay under a default cluster's
+#: 1 MiB message.max.bytes, whatever the request's size
+DEADLETTER_RAW_BYTES = 600_000
 
 #: how often a failed send is tried again before the worker gives up (and stops, see Acker)
 SEND_ATTEMPTS = 4
@@ -92,9 +96,7 @@ class Runtime:
         """
         data = encode(reply)
         if record and self.book is not None:
-            key = reply_key(tenant, reply.user_id, reply.request_id)
-            with event_context(event):
-                data = self.book.record(key, data)
+            data = await self._record(reply_key(tenant, reply.user_id, reply.request_id), data, event)
         priority = reply.priority or "interactive"
         served = reply.served_from or "none"
         self.metrics.requests.labels(priority=priority, status=reply.status, served_from=served).inc()
@@ -103,6 +105,24 @@ class Runtime:
                 max(0, now_ms() - created_at_ms) / 1000
             )
         return await self.send(reply_to or self.topics.replies, reply.user_id, data)
+
+    async def _record(self, key: str, data: bytes, event: EventT | None) -> bytes:
+        """Record a reply in the book; what to send. A table write can fail while the producer's
+        metadata of the changelog is missing (a fresh topic whose leader is not elected yet): the
+        metadata is fetched and the write tried again; a reply is never lost to the book."""
+        assert self.book is not None
+        for attempt in range(3):
+            try:
+                with event_context(event):
+                    return self.book.record(key, data)
+            except Exception as exc:
+                log.warning("recording a reply failed (%r), attempt %d", exc, attempt + 1)
+                with contextlib.suppress(Exception):
+                    topic = f"{self.settings.app_id}-replybook-changelog"
+                    await producer_partitions_for(self.app.producer, topic)
+                await asyncio.sleep(0.05 * (attempt + 1))
+        log.error("reply of %s sent without being recorded", key)
+        return data
 
     def recorded(self, tenant: str, user_id: str, request_id: str) -> bytes | None:
         """The reply already recorded for a request (it was answered before a crash), or None."""
@@ -159,7 +179,7 @@ class Runtime:
             message,
             key,
             raw or b"",
-            self.settings.max_record_bytes,
+            DEADLETTER_RAW_BYTES,
         )
         self.metrics.deadletter.labels(reason=reason).inc()
         log.warning("dead letter %s[%d]@%d: %s", msg.topic, msg.partition, msg.offset, message)

@@ -18,6 +18,7 @@ from agents.runtime import Runtime
 from pipeline.admin import changelog_config
 from pipeline.app import create_app
 from pipeline.cache import AnswerCache
+from pipeline.compat import forget_read_offsets
 from pipeline.metrics import GpuSampler, create_metrics
 from pipeline.records import now_ms
 from pipeline.replybook import ReplyBook
@@ -93,6 +94,13 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
     @app.on_partitions_revoked.connect
     async def drain_on_revoke(app: faust.App, revoked: set[Any], **_: Any) -> None:
         await life.on_revoked(revoked)
+
+    @app.on_partitions_assigned.connect
+    async def forget_stale_reads(app: faust.App, assigned: set[Any], **_: Any) -> None:
+        # a record read before the rebalance is read again from the committed offset
+        held = forget_read_offsets(app.consumer, assigned)
+        if held:
+            log.warning("rebalance: forgot %d stale read offsets", held)
 
     @app.task
     async def warm_writes() -> None:

@@ -79,6 +79,7 @@ class Deployment:
         self.bootstrap = bootstrap
         self.tmp = tmp
         self.workers: list[WorkerProcess] = []
+        self._started = 0
         self.clients: list[SurgeClient] = []
 
     @property
@@ -97,7 +98,9 @@ class Deployment:
         n = len(self.workers)
         if n and role != self.workers[-1].env["SURGE_ROLE"]:
             extra.setdefault("SURGE_DATA_DIR", str(self.tmp / f"data-{self.name}-{role}"))
-        w = WorkerProcess({**self.env, **extra}, self.tmp / f"{self.name}-worker-{n}.log", role=role)
+        self._started += 1  # a worker started again after one was removed gets a log of its own
+        log = self.tmp / f"{self.name}-worker-{self._started - 1}.log"
+        w = WorkerProcess({**self.env, **extra}, log, role=role)
         self.workers.append(w.start())
         if wait:
             w.wait_ready()

@@ -44,8 +44,10 @@ class Settings(BaseSettings):
     topic_prefix: str = Field("surge.", description="prefix of every topic name")
     partitions: int = Field(8, ge=1, le=1024, description="partitions of each topic surge creates")
     replication_factor: int = Field(1, ge=1, le=16, description="replication factor of created topics")
-    processing_guarantee: Literal["at_least_once", "exactly_once"] = Field(
-        "at_least_once", description="Faust processing guarantee; exactly_once uses Kafka transactions"
+    processing_guarantee: Literal["at_least_once"] = Field(
+        "at_least_once",
+        description="at_least_once only: repeats after a crash are made identical by the reply book "
+        "(Faust's exactly_once was never made real here and is refused)",
     )
     session_timeout_s: float = Field(
         10.0, gt=1, le=300, description="consumer session timeout: how soon a dead worker's partitions move"
@@ -202,7 +204,8 @@ class Settings(BaseSettings):
         "threshold: semantic_threshold and the guard alone",
     )
     merge_data_dir: str | None = Field(
-        None, description="folder of retrained merge weights (surge dedup train --out-dir); default: the shipped ones"
+        None,
+        description="folder of retrained merge weights (surge dedup train --out-dir); default: the shipped ones",
     )
     cache_ttl_s: float = Field(3600.0, gt=0, description="life of a cached answer, seconds")
     cache_max_entries: int = Field(100_000, ge=1, description="cache size bound; LRU eviction beyond it")
@@ -327,7 +330,10 @@ class Settings(BaseSettings):
         500.0, ge=0, description="records/s a replay or shadow copies at most (throttle); 0 = no limit"
     )
     replay_nice: int = Field(
-        10, ge=0, le=19, description="niceness of a replay's or shadow's worker: the OS serves live workers first"
+        10,
+        ge=0,
+        le=19,
+        description="niceness of a replay's or shadow's worker: the OS serves live workers first",
     )
     replay_idle_timeout_s: float = Field(
         60.0, gt=0, description="a replay stops waiting after this long without a new reply, seconds"

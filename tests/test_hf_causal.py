@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -49,9 +48,22 @@ def test_params_target_sets_the_size(tmp_path: Path) -> None:
     assert abs(n - 3_000_000) / 3_000_000 < 0.15
 
 
-def test_version_is_name_and_config_hash(lm: HFCausalLM, tiny_dir: Path) -> None:
-    sha8 = hashlib.sha256((tiny_dir / "config.json").read_bytes()).hexdigest()[:8]
-    assert lm.version == f"tiny@{sha8}"
+def test_version_covers_config_and_weights_and_is_known_before_loading(
+    lm: HFCausalLM, tiny_dir: Path, tmp_path: Path
+) -> None:
+    assert lm.version.startswith("tiny@") and len(lm.version) == len("tiny@") + 8
+    # the intake keys its cache by the version without loading the model: the same string
+    assert HFCausalLM(tiny_dir, name="tiny").peek_version() == lm.version
+    # new weights under the same config are a new version (a model fix never serves old answers)
+    import shutil
+
+    copy = tmp_path / "fixed"
+    shutil.copytree(tiny_dir, copy)
+    weights = next(p for p in copy.iterdir() if p.suffix == ".safetensors")
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert HFCausalLM(copy, name="tiny").peek_version() != lm.version
 
 
 def test_batch_of_different_lengths_gives_one_output_each_within_max_tokens(lm: HFCausalLM) -> None:
