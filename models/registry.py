@@ -7,15 +7,19 @@ from pipeline.settings import Settings
 
 
 def apply_num_threads(settings: Settings) -> None:
-    """``SURGE_MODEL_NUM_THREADS``: torch's CPU threads for this process; 0 keeps torch's default.
+    """``SURGE_MODEL_NUM_THREADS``: torch's CPU threads for this process; 0 means every core but
+    one (at least one), so the event loop (intake, Kafka clients) always has a core of its own.
 
-    Process-wide: the answer model and the embedder share them. On a small, shared CPU box one
-    thread is often much faster than the default, whose spinning threads fight the event loop.
+    Process-wide: the answer model and the embedder share them. Torch's default (every core) makes
+    its spinning threads fight the event loop: on a 2-core box the intake then becomes the
+    bottleneck of the whole worker.
     """
-    if settings.model_num_threads > 0:
-        import torch
+    import os
 
-        torch.set_num_threads(settings.model_num_threads)
+    import torch
+
+    threads = settings.model_num_threads or max(1, (os.cpu_count() or 2) - 1)
+    torch.set_num_threads(threads)
 
 
 def build_model(settings: Settings) -> ModelBackend:

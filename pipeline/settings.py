@@ -130,7 +130,9 @@ class Settings(BaseSettings):
     model: Literal["faq", "hf", "remote", "echo"] = Field("faq", description="answer model backend")
     model_path: str | None = Field(None, description="Hugging Face causal LM folder (model=hf)")
     model_dtype: str = Field("auto", description="dtype of the HF model: auto, float32, bfloat16, float16")
-    model_num_threads: int = Field(0, ge=0, description="torch CPU threads for the model; 0 = torch default")
+    model_num_threads: int = Field(
+        0, ge=0, description="torch CPU threads for the model and embedder; 0 = every core but one"
+    )
     model_device_map: str | None = Field(None, description="HF device_map, e.g. auto")
     remote_base_url: str | None = Field(None, description="OpenAI-compatible endpoint (model=remote)")
     remote_model: str = Field("default", description="model name sent to the remote endpoint")
