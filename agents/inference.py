@@ -384,7 +384,8 @@ class Inference:
         if s.cache_enabled and req.cache and self.cache is not None:
             assert it.cache_key is not None
             hit = self.cache.get_exact(it.cache_key)
-            if hit is None:
+            # semantic_cache_enabled off: exact hits only (a replay's default, docs/architecture.md, "Replay")
+            if hit is None and s.semantic_cache_enabled:
                 vector = it.vector if self._semantic_ok(it) else None
                 found = self.cache.search(it.scope, vector, text=it.inp.text, decision=self.decision)
             else:

@@ -82,7 +82,8 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
         template = build_template(settings, model)
         embedder = (
             shared_embedder(settings.embedder_path)
-            if (settings.dedup_enabled or settings.cache_enabled)
+            # an exact-only cache (semantic_cache_enabled off) needs no embedder
+            if (settings.dedup_enabled or (settings.cache_enabled and settings.semantic_cache_enabled))
             else None
         )
         inf = inference_agent.Inference(rt, model, template, embedder, cache)

@@ -209,6 +209,11 @@ class Settings(BaseSettings):
         None,
         description="folder of retrained merge weights (surge dedup train --out-dir); default: the shipped ones",
     )
+    semantic_cache_enabled: bool = Field(
+        True,
+        description="serve answers of similar questions from the cache; false: exact repeats only (a replay's "
+        "default: an exact hit is the answer the model gives that text)",
+    )
     cache_ttl_s: float = Field(3600.0, gt=0, description="life of a cached answer, seconds")
     cache_max_entries: int = Field(100_000, ge=1, description="cache size bound; LRU eviction beyond it")
 

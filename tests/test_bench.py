@@ -101,6 +101,7 @@ def test_unknown_scenario_is_refused() -> None:
         "surge",
         "failover",
         "risk",
+        "replay",
     )
 
 

@@ -127,14 +127,20 @@ def test_sets_and_worker_env() -> None:
             plan.parse_sets([bad], fields)
     n = ReplayNames("surge", "surge.", "r1")
     env = plan.worker_env(n, broker="kafka://h:1", data_dir="/d", partitions=3, role="all", model="echo",
-                          sets={"max_batch_size": "16", "cache_enabled": "true"})  # fmt: skip
+                          sets={"max_batch_size": "16", "cache_ttl_s": "60"})  # fmt: skip
     assert env["SURGE_APP_ID"] == "surge-replay-r1" and env["SURGE_TOPIC_PREFIX"] == "surge.replay.r1."
     assert env["SURGE_DEADLINES_ENABLED"] == "false" and env["SURGE_DEGRADE_ENABLED"] == "false"
-    assert env["SURGE_CACHE_ENABLED"] == "true" and env["SURGE_DEDUP_ENABLED"] == "false"
+    # the default cache mode: exact repeats only, no merging
+    assert env["SURGE_CACHE_ENABLED"] == "true" and env["SURGE_SEMANTIC_CACHE_ENABLED"] == "false"
+    assert env["SURGE_DEDUP_ENABLED"] == "false"
     assert env["SURGE_REPLY_TOPIC_PATTERN"] == "" and env["SURGE_PARTITIONS"] == "3"
     assert env["SURGE_MODEL"] == "echo" and env["SURGE_MAX_BATCH_SIZE"] == "16"
-    assert "SURGE_CACHE_ENABLED" not in plan.worker_env(n, broker="b", data_dir="d", partitions=1, role="all",
-                                                        caches=True)  # fmt: skip
+    off = plan.worker_env(n, broker="b", data_dir="d", partitions=1, role="all", caches="off")
+    assert off["SURGE_CACHE_ENABLED"] == "false" and off["SURGE_DEDUP_ENABLED"] == "false"
+    live = plan.worker_env(n, broker="b", data_dir="d", partitions=1, role="all", caches="live")
+    assert not {"SURGE_CACHE_ENABLED", "SURGE_DEDUP_ENABLED", "SURGE_SEMANTIC_CACHE_ENABLED"} & set(live)
+    with pytest.raises(ReplayError, match="one of exact"):
+        plan.worker_env(n, broker="b", data_dir="d", partitions=1, role="all", caches="some")
     assert plan.changed_settings("echo", "faq", {"max_wait_ms": "5"}) == ["model", "max_wait_ms"]
     assert plan.changed_settings("faq", "faq", {}) == []
 
@@ -186,6 +192,11 @@ def test_request_report_on_a_history_with_known_differences() -> None:
         "live_shared_answer": 1, "unexplained": 1,
     }  # fmt: skip
     assert rep["agreement"]["unexplained"] == 1 and rep["agreement"]["explained"] == 5
+    # comparable: live replies not merged, similar, templated, capped, late or overloaded: r0, r1, r2 (an
+    # exact cache hit), r5, r7, r8
+    assert (rep["agreement"]["comparable"], rep["agreement"]["comparable_same"]) == (6, 3)
+    assert compare.timing_dependent(_ok("x", served="cache", similarity=0.93))
+    assert not compare.timing_dependent(_ok("x", served="cache", similarity=1.0))
     assert rep["answers"]["both_ok"] == 7 and rep["answers"]["exact_match"] == 3  # a, b, c
     assert rep["served_from_shift"]["cache->model"] == 1 and rep["served_from_shift"]["none->model"] == 2
     ed = rep["_series"]["edit_distance"]
@@ -279,7 +290,7 @@ def test_the_replay_starts_from_the_live_settings() -> None:
     n = ReplayNames("surge", "surge.", "r1")
     env = plan.worker_env(n, broker="b", data_dir="d", partitions=1, role="all", live=live)
     assert env["SURGE_MODEL"] == "echo" and env["SURGE_DEDUP_ENABLED"] == "false"
-    env = plan.worker_env(n, broker="b", data_dir="d", partitions=1, role="all", live=live, caches=True)
+    env = plan.worker_env(n, broker="b", data_dir="d", partitions=1, role="all", live=live, caches="live")
     assert env["SURGE_DEDUP_ENABLED"] == "true" and "SURGE_CACHE_ENABLED" not in env
     assert (
         plan.worker_env(n, broker="b", data_dir="d", partitions=1, role="all", live=live, model="faq")[

@@ -266,3 +266,53 @@ async def test_shadow_outputs_never_reach_a_reply_topic(deployment, tmp_path: Pa
         await admin.close()
     assert shadow.group_id in groups and shadow.group_id != s.app_id
     assert not any(shadow.names.owns(t) for t in await _topics(d.bootstrap))
+
+
+async def test_risk_replay_warms_windows_and_compares_decisions(deployment, tmp_path: Path) -> None:
+    """Risk events: the 24 h before --from warm the windows (not compared), the live rules are
+    copied, decisions are joined on event_id with flips, score deltas, feature mismatches and recall."""
+    from agents.risk import ensure_risk_topics
+    from pipeline.risk.simulate import as_event
+    from pipeline.risk_client import RiskClient
+    from pipeline.riskops import RISK_READY, demo_events
+
+    d = deployment(**RELAXED)
+    await ensure_risk_topics(d.settings)
+    w = d.worker(role="risk", wait=False)
+    await asyncio.to_thread(w.wait_ready, RISK_READY, 180)
+    c = RiskClient(d.bootstrap, events_topic=d.topics.risk_events, decisions_topic=d.topics.risk_decisions)
+    await c.start()
+    d.clients.append(c)
+    events = demo_events(300, seed=5)
+
+    async def decide(batch: list[dict[str, Any]]) -> None:
+        futs = [await c.send(as_event(e)) for e in batch]
+        await c.producer.flush()
+        await asyncio.wait_for(asyncio.gather(*futs), 90)
+
+    await decide(events[:100])
+    await asyncio.sleep(1.2)
+    from_ms = now_ms()
+    await decide(events[100:])
+    await asyncio.sleep(1.2)
+    to_ms = now_ms()
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text(
+        "".join(json.dumps({"event_id": e["event_id"], "label": e["label"]}) + "\n" for e in events)
+    )
+    opts = ReplayOptions(topic="risk-events", from_ms=from_ms, to_ms=to_ms, out_dir=tmp_path / "risk",
+                         labels_path=labels, quiet=True)  # fmt: skip
+    res = await run_replay(opts, d.settings)
+    rep = res.report
+    assert rep["replay"]["records"] == 200 and rep["replay"]["warmup_records"] == 100
+    assert set(res.replies) == {e["event_id"] for e in events[100:]}
+    assert rep["counts"]["joined"] == 200 and rep["counts"]["missing_replay"] == 0
+    # the same rules (copied) and the same model: decisions agree but for named causes
+    assert rep["agreement"]["rate"] >= 0.95, rep["differences_by_cause"]
+    assert "unexplained" not in rep["differences_by_cause"]
+    assert {d["rule_version"] for d in res.replies.values()} == {
+        json.loads(r.value)["rule_version"]
+        for r in await d.read_topic(d.topics.risk_decisions, min_count=300)
+    }
+    assert set(rep) >= {"decision_flips", "score_delta", "feature_mismatches", "recall_at_1pct_fpr"}
+    assert rep["score_delta"]["abs"]["p95"] is not None

@@ -22,6 +22,7 @@ SCENARIOS: tuple[str, ...] = (
     "surge",
     "failover",
     "risk",
+    "replay",
 )
 
 

@@ -55,8 +55,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="the candidate model (default: the live one, SURGE_MODEL)")  # fmt: skip
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="a setting of the candidate (field or SURGE_ name); repeatable")  # fmt: skip
-    p.add_argument("--caches", action="store_true",
-                   help="run with caches and merging (empty at start); answers then depend on timing")  # fmt: skip
+    p.add_argument("--caches", choices=["exact", "off", "live"], default="exact",
+                   help="exact (default): exact repeats from the cache, empty at start; off: every request asks "
+                   "the model; live: caches and merging as live (answers of paraphrases then depend on timing)")  # fmt: skip
     p.add_argument("--id", default=None, help="the replay's id (default: time and a random token)")
     p.add_argument("--out", default=None, help="folder of the report, plot, worker log and state")
     p.add_argument(

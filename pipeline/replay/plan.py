@@ -32,16 +32,22 @@ IDENTITY_KEYS = frozenset(
 )  # fmt: skip
 #: what a replay (and a shadow) changes by default, and why (docs/architecture.md, "Replay"):
 #: deadlines off (an old request must not expire because it is old), degradation off (its level
-#: depends on how fast the replay runs), caches and merging off (whether a request meets another's
-#: answer depends on what is in flight at the same moment): every answer is then a function of the
-#: request, the model and the settings alone. ``--caches`` turns caches and merging back on (empty).
+#: depends on how fast the replay runs): with the cache mode below, every answer is then a function
+#: of the request, the model and the settings alone
 REPLAY_DEFAULTS: dict[str, str] = {
     "deadlines_enabled": "false",
     "degrade_enabled": "false",
-    "cache_enabled": "false",
-    "dedup_enabled": "false",
     "standby_replicas": "false",
     "static_membership": "false",
+}
+#: ``--caches``: ``exact`` (default): the exact cache only, empty at start (an exact hit is the answer
+#: the model gives that normalised text, whenever it is found); ``off``: every request asks the model;
+#: ``live``: caches, semantic cache and merging as live traffic has them, empty at start (whether a
+#: request meets another's answer then depends on what is in flight at the same moment)
+CACHE_MODES: dict[str, dict[str, str]] = {
+    "exact": {"cache_enabled": "true", "semantic_cache_enabled": "false", "dedup_enabled": "false"},
+    "off": {"cache_enabled": "false", "dedup_enabled": "false"},
+    "live": {},
 }
 
 _RELATIVE = re.compile(r"^(?:now)?\s*-\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)$")
@@ -292,20 +298,16 @@ def worker_env(
     role: str,
     model: str | None = None,
     sets: Mapping[str, str] | None = None,
-    caches: bool = False,
+    caches: str = "exact",
     live: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The ``SURGE_*`` environment of the replay's worker: the ``live`` settings (:func:`live_env`),
-    :data:`REPLAY_DEFAULTS` (caches and merging left as live had them with ``caches``), ``model``,
-    ``sets``, then its identity."""
+    :data:`REPLAY_DEFAULTS`, the cache mode (:data:`CACHE_MODES`), ``model``, ``sets``, then its
+    identity."""
+    if caches not in CACHE_MODES:
+        raise ReplayError(f"--caches {caches!r}: one of {', '.join(CACHE_MODES)}")
     env = dict(live or {})
-    env.update({f"SURGE_{k.upper()}": v for k, v in REPLAY_DEFAULTS.items()})
-    if caches:
-        for key in ("SURGE_CACHE_ENABLED", "SURGE_DEDUP_ENABLED"):
-            if live and key in live:
-                env[key] = live[key]
-            else:
-                env.pop(key)
+    env.update({f"SURGE_{k.upper()}": v for k, v in {**REPLAY_DEFAULTS, **CACHE_MODES[caches]}.items()})
     if model:
         env["SURGE_MODEL"] = model
     env.update({f"SURGE_{k.upper()}": v for k, v in (sets or {}).items()})

@@ -63,7 +63,7 @@ class ReplayOptions:
     to_ms: int
     model: str | None = None
     sets: dict[str, str] = field(default_factory=dict)
-    caches: bool = False
+    caches: str = "exact"
     out_dir: Path | None = None
     replay_id: str | None = None
     keep_topics: bool = False
@@ -510,8 +510,8 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
         "id": rid, "app_id": names.app_id, "topic_prefix": names.prefix, "source_topic": source,
         "from_ms": opts.from_ms, "to_ms": opts.to_ms, "records": len(records), "warmup_records": len(warm),
         "partitions": len(parts), "model": replay_settings.served_model, "sets": opts.sets, "caches": opts.caches,
-        "defaults": {k: v for k, v in plan.REPLAY_DEFAULTS.items()
-                     if not (opts.caches and k in ("cache_enabled", "dedup_enabled")) and k not in opts.sets},
+        "defaults": {k: v for k, v in {**plan.REPLAY_DEFAULTS, **plan.CACHE_MODES[opts.caches]}.items()
+                     if k not in opts.sets},
         "rate_limit_per_s": rate, "worker_start_s": round(ready_s, 2), "processing_s": round(processing_s, 3),
         "range_s": span_s, "recorded_span_s": round((max(stamps) - min(stamps)) / 1000, 3),
         "speed_factor": round(span_s / processing_s, 2),

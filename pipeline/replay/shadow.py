@@ -61,7 +61,7 @@ class ShadowOptions:
     percent: float
     model: str | None = None
     sets: dict[str, str] = field(default_factory=dict)
-    caches: bool = False
+    caches: str = "exact"
     out_dir: Path | None = None
     shadow_id: str | None = None
     #: stop after this many seconds (None: until SIGINT/SIGTERM)
