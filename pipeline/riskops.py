@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 from collections import Counter
@@ -265,6 +266,9 @@ def run_risk_demo(
     from pipeline.procs import WorkerProcess
     from pipeline.settings import Settings
 
+    # a fresh broker and fresh tables each run: the simulated stream is the same every time, and a
+    # second run's events would otherwise be duplicates (or late) for the tables of the first
+    shutil.rmtree(data_dir, ignore_errors=True)
     data_dir.mkdir(parents=True, exist_ok=True)
     base = Settings()
     kafka = EmbeddedKafka(data_dir / "kafka", cache_dir=base.kafka_cache_dir, version=base.kafka_version)

@@ -29,7 +29,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench.common import BenchEnv, BenchError, finish, latency_summary, ratio, scrape, target
+from pipeline.bench.common import (
+    BENCH_DIR,
+    BenchEnv,
+    BenchError,
+    finish,
+    latency_summary,
+    ratio,
+    scrape,
+    target,
+)
 from pipeline.bench.risk_check import check_decisions, read_arrivals
 from pipeline.broker import EmbeddedKafka
 from pipeline.risk.records import RiskDecision
@@ -219,7 +228,8 @@ def run(
     burst = events[n_steady : n_steady + n_burst]
     capacity = events[n_steady + n_burst : n_steady + n_burst + plan.capacity_events]
     crash = events[n_steady + n_burst + plan.capacity_events :]
-    with BenchEnv("risk", broker=broker) as env:
+    # a broker of its own (.surge-bench/risk/kafka): other scenarios restart theirs, and this one runs long
+    with BenchEnv("risk", broker=broker, bench_dir=BENCH_DIR / "risk") as env:
         d = env.deployment("risk", role="risk", risk_grace_ms=GRACE_MS)
         settings = d.settings()
 
