@@ -308,9 +308,13 @@ class Inference:
 
     # ---- embedding, cache, merge ------------------------------------------------------------------
     def _take_arrivals(self) -> list[Pending]:
-        """The next embedding batch: highest classes first, at most ``embed_max_batch_size``; a batch
-        holding real-time items stops at them, so they never wait for a long embedding call."""
-        limit = self.rt.settings.embed_max_batch_size
+        """The next embedding batch: highest classes first, about ``embed_budget_ms`` of measured
+        embedding time (at most ``embed_max_batch_size``); a batch holding real-time items stops at
+        them, so they never wait for a long embedding call."""
+        s = self.rt.settings
+        limit = s.embed_max_batch_size
+        if self.embed_ms_per_item > 0:
+            limit = max(4, min(limit, int(s.embed_budget_ms / self.embed_ms_per_item)))
         out: list[Pending] = []
         for p in PRIORITIES:
             q = self._arrivals[p]

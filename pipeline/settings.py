@@ -186,6 +186,12 @@ class Settings(BaseSettings):
         description="admitted work is kept to about this much embedding and model time (measured); "
         "the rest waits in Kafka, so a rebalance or a stop drains quickly",
     )
+    embed_budget_ms: float = Field(
+        100.0,
+        gt=0,
+        description="an embedding call is sized to take about this long (measured per item), so a "
+        "real-time or interactive arrival never waits long behind one; at most embed_max_batch_size",
+    )
     embed_queue_limit: int = Field(
         128, ge=1, description="admitted items waiting to be embedded before readers stop reading"
     )
