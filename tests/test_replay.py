@@ -298,3 +298,24 @@ def test_the_replay_starts_from_the_live_settings() -> None:
         ]
         == "faq"
     )
+
+
+def test_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeline.cli import build_parser, main
+
+    args = build_parser().parse_args(
+        ["replay", "--from=-1h", "--model", "echo", "--set", "max_wait_ms=5", "--caches", "off"]
+    )
+    assert (args.topic, args.from_, args.to, args.sets, args.caches) == (
+        "requests",
+        "-1h",
+        "now",
+        ["max_wait_ms=5"],
+        "off",
+    )
+    assert build_parser().parse_args(["shadow", "--percent", "5"]).percent == 5
+    # refused before anything connects: a typed error, exit status 2
+    assert main(["replay", "--from", "now-1h", "--set", "app_id=mine"]) == 2
+    assert "replay's own" in capsys.readouterr().err
+    assert main(["replay", "--from", "yesterday"]) == 2
+    assert main(["replay"]) == 2

@@ -17,7 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     r.add_argument("--topic", choices=["requests", "risk-events"], default="requests")
     r.add_argument("--from", dest="from_", default=None,
-                   help="start: epoch ms, ISO 8601 (UTC without a zone), or a time ago like -2h")  # fmt: skip
+                   help="start: epoch ms, ISO 8601 (UTC without a zone), or a time ago: now-2h (or --from=-2h)")  # fmt: skip
     r.add_argument("--to", default="now", help="end (exclusive), same forms; default now")
     _common(r)
     r.add_argument("--labels", default=None, help="risk-events: JSON lines with event_id and label "
