@@ -213,6 +213,17 @@ async def test_report_on_a_recorded_history_with_known_differences(deployment, t
         "differences_by_cause",
         "replay",
     }
+    # a replay whose worker cannot start fails with the worker's error and leaves no topic behind
+    from pipeline.exceptions import SurgeError
+
+    bad = ReplayOptions(topic="requests", from_ms=t0, to_ms=t0 + 1000, out_dir=tmp_path / "bad", replay_id="bad",
+                        model="hf", sets={"model_path": str(tmp_path / "no-such-model")}, quiet=True,
+                        start_timeout_s=120)  # fmt: skip
+    with pytest.raises(SurgeError, match="exited"):
+        await run_replay(bad, s)
+    assert not any(
+        plan.ReplayNames(s.app_id, s.topic_prefix, "bad").owns(t) for t in await _topics(d.bootstrap)
+    )
 
 
 async def test_shadow_outputs_never_reach_a_reply_topic(deployment, tmp_path: Path) -> None:

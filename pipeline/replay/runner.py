@@ -468,6 +468,11 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
         if rbar is not None:
             rbar.close()
         t_done = max([collector.arrived[k] for k in want if k in collector.arrived], default=time.monotonic())
+    except BaseException:
+        if not opts.keep_topics:  # a replay that failed leaves nothing behind on the cluster either
+            with contextlib.suppress(Exception):
+                await _stop_then_delete(collector, producer, worker, s, names)
+        raise
     finally:
         await collector.stop()
         await producer.stop()
@@ -535,6 +540,20 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
         )
         print(f"report: {report_path}  plot: {plot_path}")
     return ReplayResult(report, report_path, plot_path, names, replies)
+
+
+async def _stop_then_delete(
+    collector: Collector,
+    producer: AIOKafkaProducer,
+    worker: WorkerProcess | None,
+    s: Settings,
+    names: ReplayNames,
+) -> None:
+    await collector.stop()
+    await producer.stop()
+    if worker is not None:
+        await asyncio.to_thread(worker.stop)
+    await delete_own_topics(s, names)
 
 
 def _event_id(raw: bytes | None) -> str | None:
