@@ -81,7 +81,7 @@ def test_bench_risk_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
     chk = r["check"]
     assert chk["missing"] == 0 and chk["mismatched_decisions"] == 0 and chk["repeats_differing"] == 0
     assert chk["late_wrong"] == 0 and chk["decisions_checked"] >= r["steady"]["events"] + r["burst"]["events"]
-    for phase in ("steady", "burst", "capacity", "crash"):
+    for phase in ("steady", "burst", "capacity", "within_capacity", "crash"):
         lat = r[phase]["latency"]
         assert lat["count"] == r[phase]["events"] and 0 <= lat["p50_ms"] <= lat["p99_ms"] <= lat["max_ms"]
     assert r["capacity"]["events_per_s_per_worker"] > 0 and r["crash"]["restart_s"] > 0

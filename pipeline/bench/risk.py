@@ -7,8 +7,9 @@ within the grace period, 0.1 % late), in phases:
 2. **burst**: 3x that for 30 s;
 3. **capacity**: a backlog produced as fast as the client can, drained by the one worker: its
    sustained events/s;
-4. **crash**: 500 events/s for 20 s with the worker SIGKILLed 8 s in and its local store deleted;
-   a new worker recovers the tables from the changelogs and carries on.
+4. **within capacity**: half that rate for 30 s: the latency when the worker keeps up;
+5. **crash**: the same rate for 20 s, the worker SIGKILLed 8 s in; a new worker takes over its local
+   store (tables changed since the last flush come from the changelogs) and carries on.
 
 Latency is produce to decision, from the decision records (``decided_ms - produced_ms``, both taken
 on this machine). Afterwards every decision (repeats after the crash included) is checked against
@@ -23,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -53,18 +53,24 @@ class Plan:
     burst_factor: float
     burst_s: float
     capacity_events: int
-    crash_rate: float
+    #: the within-capacity and crash phases run at this share of the measured capacity
+    within_share: float
+    within_s: float
     crash_s: float
     kill_at_s: float
+    #: events simulated for those two phases: enough for this rate
+    max_within_rate: float
     eval_customers: int
     eval_days: float
     warm_days: float
 
 
-FULL = Plan(rate=1000, steady_s=60, burst_factor=3, burst_s=30, capacity_events=20_000, crash_rate=500, crash_s=20,
-            kill_at_s=8, eval_customers=2000, eval_days=7, warm_days=3)  # fmt: skip
-QUICK = Plan(rate=150, steady_s=4, burst_factor=3, burst_s=2, capacity_events=1_500, crash_rate=150, crash_s=5,
-             kill_at_s=2, eval_customers=400, eval_days=3, warm_days=2)  # fmt: skip
+FULL = Plan(rate=1000, steady_s=60, burst_factor=3, burst_s=30, capacity_events=20_000, within_share=0.5,
+            within_s=30, crash_s=20, kill_at_s=8, max_within_rate=1500, eval_customers=2000, eval_days=7,
+            warm_days=3)  # fmt: skip
+QUICK = Plan(rate=150, steady_s=4, burst_factor=3, burst_s=2, capacity_events=1_500, within_share=0.5,
+             within_s=4, crash_s=5, kill_at_s=2, max_within_rate=400, eval_customers=400, eval_days=3,
+             warm_days=2)  # fmt: skip
 GRACE_MS = 5_000
 
 
@@ -220,14 +226,14 @@ def run(
     plan = QUICK if quick else FULL
     n_steady = int(plan.rate * plan.steady_s)
     n_burst = int(plan.rate * plan.burst_factor * plan.burst_s)
-    n_crash = int(plan.crash_rate * plan.crash_s)
-    total = n_steady + n_burst + plan.capacity_events + n_crash
+    n_later = int(plan.max_within_rate * (plan.within_s + plan.crash_s))
+    total = n_steady + n_burst + plan.capacity_events + n_later
     print(f"simulating {total} events ...", file=sys.stderr)
     events = _stream(total)
     steady = events[:n_steady]
     burst = events[n_steady : n_steady + n_burst]
     capacity = events[n_steady + n_burst : n_steady + n_burst + plan.capacity_events]
-    crash = events[n_steady + n_burst + plan.capacity_events :]
+    later = events[n_steady + n_burst + plan.capacity_events :]
     # a broker of its own (.surge-bench/risk/kafka): other scenarios restart theirs, and this one runs long
     with BenchEnv("risk", broker=broker, bench_dir=BENCH_DIR / "risk") as env:
         d = env.deployment("risk", role="risk", risk_grace_ms=GRACE_MS)
@@ -275,23 +281,31 @@ def run(
                 phases["capacity"] = ([e["event_id"] for e in capacity], sent_s, time.monotonic() - t)
                 m1 = scrape(w.metrics())
 
-                print(f"risk bench: crash, {len(crash)} events at {plan.crash_rate:g}/s, SIGKILL after "
-                      f"{plan.kill_at_s:g} s", file=sys.stderr)  # fmt: skip
-                kill_index = int(plan.crash_rate * plan.kill_at_s)
+                rate = max(
+                    1.0, min(plan.max_within_rate, plan.within_share * len(capacity) / phases["capacity"][2])
+                )
+                within = later[: int(rate * plan.within_s)]
+                crash = later[len(within) : len(within) + int(rate * plan.crash_s)]
+                print(f"risk bench: within capacity, {len(within)} events at {rate:.0f}/s", file=sys.stderr)
+                t = time.monotonic()
+                sent_s = await _send(producer, topic, within, rate)
+                await _wait_for(collector, {e["event_id"] for e in within}, _patience(len(within)), "within")
+                phases["within_capacity"] = ([e["event_id"] for e in within], sent_s, time.monotonic() - t)
+
+                print(f"risk bench: crash, {len(crash)} events at {rate:.0f}/s, SIGKILL after {plan.kill_at_s:g} s",
+                      file=sys.stderr)  # fmt: skip
+                kill_index = int(rate * plan.kill_at_s)
                 restart: dict[str, float] = {}
 
                 async def kill_and_restart() -> None:
-                    w.kill()
+                    w.kill()  # the local store stays: a plain crash (tests/test_risk_integration.py deletes it)
                     restart["killed"] = time.monotonic()
-                    shutil.rmtree(d.env["SURGE_DATA_DIR"], ignore_errors=True)
                     w2 = d.worker(role="risk", wait=False)
                     await asyncio.to_thread(w2.wait_ready, RISK_READY, 240)
                     restart["ready"] = time.monotonic()
 
                 t = time.monotonic()
-                sent_s = await _send(
-                    producer, topic, crash, plan.crash_rate, at={kill_index: kill_and_restart}
-                )
+                sent_s = await _send(producer, topic, crash, rate, at={kill_index: kill_and_restart})
                 await _wait_for(collector, {e["event_id"] for e in crash}, _patience(len(crash)), "crash")
                 phases["crash"] = ([e["event_id"] for e in crash], sent_s, time.monotonic() - t)
                 await asyncio.sleep(3)  # repeats of decisions made just before the kill
@@ -305,7 +319,7 @@ def run(
             first: dict[str, RiskDecision] = {}
             for dec in all_decisions:
                 first.setdefault(dec.event_id, dec)
-            sent_ids = [e["event_id"] for e in events] + [e["event_id"] for e in warm]
+            sent_ids = [e["event_id"] for e in (*steady, *burst, *capacity, *within, *crash, *warm)]
             print(f"risk bench: checking {len(all_decisions)} decisions ...", file=sys.stderr)
             out["check"] = check_decisions(arrivals, all_decisions, feature_config(settings), sent_ids)
             for name, (ids, sent_s, wall_s) in phases.items():
@@ -364,14 +378,16 @@ def run(
             target("repeated decisions that differ", chk["repeats_differing"], "<=", 0),
             target("model recall / rules recall at 1% FPR", recall_ratio, ">=", 2.0),
         ],
-        "notes": "latency is decided_ms - produced_ms of each event's first decision; the burst and "
-        "capacity phases run open loop, so a backlog shows as latency. The crash phase deletes the "
-        "worker's local RocksDB folder: the new worker recovers every table from its changelog.",
+        "notes": "latency is decided_ms - produced_ms of each event's first decision. Every phase runs open "
+        "loop: above the worker's capacity the backlog grows and shows as latency. The within-capacity "
+        "and crash phases run at half the capacity measured before them.",
     }
     return finish(
         "risk", result, json_path, plot_path,
         [("p99 produce-to-decision, ms", {"steady": p99_steady, "burst": p99_burst,
                                           "crash": arms["crash"]["latency"]["p99_ms"]}),
+         ("within capacity, ms", {"p50": arms["within_capacity"]["latency"]["p50_ms"],
+                                  "p99": arms["within_capacity"]["latency"]["p99_ms"]}),
          ("events/s", {"offered steady": arms["steady"]["offered_rate"], "offered burst": arms["burst"]["offered_rate"],
                        "worker capacity": cap}),
          ("recall at 1% FPR", {"model": quality["model"]["recall"], "rules": quality["rules"]["recall"]}),
