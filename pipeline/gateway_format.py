@@ -72,11 +72,7 @@ _UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "audio", "
 
 def model_name(settings: Settings) -> str:
     """The model the gateway advertises at ``/v1/models`` and answers with by default."""
-    if settings.model == "hf" and settings.model_path:
-        return re.split(r"[\\/]", settings.model_path.rstrip("/\\"))[-1] or "hf"
-    if settings.model == "remote":
-        return settings.remote_model
-    return settings.model
+    return settings.served_model  # one definition: the intake's and inference's cache scopes use it too
 
 
 def error_status(code: str) -> int:
