@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from agents.runtime import Runtime, event_context
 from pipeline.admin import ensure_topics
 from pipeline.app import create_app
+from pipeline.compat import refresh_metadata
 from pipeline.kafka_security import client_options
 from pipeline.metrics import create_metrics
 from pipeline.records import now_ms
@@ -221,7 +222,7 @@ class RiskAgents:
                 parts = consumer.partitions_for_topic(topic) or set()
                 if parts:
                     break
-                await consumer._client.force_metadata_update()
+                await refresh_metadata(consumer)
                 await asyncio.sleep(0.1)
             tps = [TopicPartition(topic, p) for p in sorted(parts)]
             consumer.assign(tps)

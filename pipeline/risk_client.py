@@ -18,6 +18,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from pipeline.compat import refresh_metadata
 from pipeline.risk.records import RiskDecision
 from pipeline.risk.rules import Rule
 
@@ -60,7 +61,7 @@ class RiskClient:
             parts = self.consumer.partitions_for_topic(self.decisions_topic)
             if parts:
                 break
-            await self.consumer._client.force_metadata_update()
+            await refresh_metadata(self.consumer)
             await asyncio.sleep(0.1)
         if not parts:
             raise RuntimeError(f"decision topic {self.decisions_topic!r} does not exist")

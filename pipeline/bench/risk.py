@@ -42,6 +42,7 @@ from pipeline.bench.common import (
 )
 from pipeline.bench.risk_check import check_decisions, read_arrivals
 from pipeline.broker import EmbeddedKafka
+from pipeline.compat import refresh_metadata
 from pipeline.risk.records import RiskDecision
 from pipeline.risk.simulate import DAY_MS, SimConfig, as_event, disorder, simulate
 from pipeline.riskops import RISK_READY
@@ -111,7 +112,7 @@ class _Collector:
         for _ in range(100):
             if parts:
                 break
-            await self.consumer._client.force_metadata_update()
+            await refresh_metadata(self.consumer)
             await asyncio.sleep(0.1)
             parts = self.consumer.partitions_for_topic(self.topic) or set()
         tps = [TopicPartition(self.topic, p) for p in sorted(parts)]

@@ -17,6 +17,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from pipeline.compat import refresh_metadata
 from pipeline.risk.features import NAMES, FeatureConfig
 from pipeline.risk.records import ENTITY_KINDS, InvalidRiskEventError, RiskDecision, decode_event
 from pipeline.risk.reference import compare, recompute
@@ -35,7 +36,7 @@ async def read_all(bootstrap: str, topic: str, options: dict[str, Any] | None = 
             parts = consumer.partitions_for_topic(topic) or set()
             if parts:
                 break
-            await consumer._client.force_metadata_update()
+            await refresh_metadata(consumer)
             await asyncio.sleep(0.1)
         tps = [TopicPartition(topic, p) for p in sorted(parts)]
         consumer.assign(tps)
