@@ -40,9 +40,13 @@ class ManagedProcess:
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.name = name or " ".join(self.argv[1:4])
         self.proc: subprocess.Popen[bytes] | None = None
+        #: where this start's output begins in the (appended) log: an earlier run's "ready" line in
+        #: the same file must never count for this one
+        self.log_offset = 0
 
     def start(self) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.argv,
@@ -61,7 +65,11 @@ class ManagedProcess:
     def is_ready(self, marker: str) -> bool:
         """Whether the process can serve: ``marker`` shows in its log (override for another probe,
         e.g. an HTTP readiness endpoint)."""
-        return self.log_path.exists() and marker in self.log_path.read_text(errors="replace")
+        if not self.log_path.exists():
+            return False
+        with open(self.log_path, "rb") as f:
+            f.seek(self.log_offset)
+            return marker.encode() in f.read()
 
     def wait_ready(self, marker: str | None = None, timeout_s: float = 120.0) -> None:
         """Block until :meth:`is_ready` (by default: ``marker``, else :attr:`ready_marker`, shows in the
