@@ -131,8 +131,9 @@ class RiskModel:
 
     def explain(
         self, event: dict[str, Any], features: dict[str, Any], top: int = 3
-    ) -> list[tuple[str, float]]:
-        """Each input's contribution to the log-odds along the event's tree paths; the ``top`` largest."""
+    ) -> list[tuple[str, float, float]]:
+        """The ``top`` inputs that raised the log-odds most along the event's tree paths: ``(name, input
+        value, contribution)``; the value is -1 where the event lacks the entity."""
         x = np.asarray(vectorize(event, features), dtype=np.float32).astype(np.float64).tolist()
         feat, thr, left, right, value = self._lists
         contrib = [0.0] * len(INPUTS)
@@ -143,7 +144,7 @@ class RiskModel:
                 contrib[f] += value[child] - value[node]
                 node = child
         ranked = sorted(range(len(INPUTS)), key=lambda i: -contrib[i])[:top]
-        return [(INPUTS[i], round(contrib[i], 4)) for i in ranked]
+        return [(INPUTS[i], x[i], round(contrib[i], 4)) for i in ranked]
 
     # ---- files -------------------------------------------------------------------------------
     def save(self, out_dir: str | Path) -> Path:

@@ -186,8 +186,12 @@ def demo_events(n: int, seed: int = 11) -> list[dict[str, Any]]:
     """``n`` simulated events (a busy period of 600 customers), 2 % of them out of order and a few late."""
     from pipeline.risk.simulate import SimConfig, disorder, simulate
 
-    days = max(0.5, n / (600 * 5.0))
-    events = simulate(SimConfig(customers=600, days=days, seed=seed, fraud_scale=4.0))[:n]
+    days = max(0.5, n / (600 * 3.0))
+    events = simulate(SimConfig(customers=600, days=days, seed=seed, fraud_scale=4.0))
+    while len(events) < n:
+        days *= 1.5
+        events = simulate(SimConfig(customers=600, days=days, seed=seed, fraud_scale=4.0))
+    events = events[:n]
     return disorder(events, share=0.02, late_share=0.002, grace_ms=5_000, seed=seed)
 
 

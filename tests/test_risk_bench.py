@@ -42,7 +42,9 @@ def test_training_exports_trees_that_score_like_scikit_learn(tmp_path: Path) -> 
     assert again.score_many(rows[:5]) == [round(float(p), 6) for p in model.proba(X[:5])]
     # the contributions along the tree paths add up to the log-odds
     e, f = rows[0]
-    total = sum(c for _, c in again.explain(e, f, top=len(INPUTS)))
+    total = sum(c for _, _, c in again.explain(e, f, top=len(INPUTS)))
+    for name, value, _ in again.explain(e, f, top=3):
+        assert value == float(np.float32(vectorize(e, f)[INPUTS.index(name)]))
     roots = float(again.value[again.roots].sum())
     assert again.base + roots + total == pytest.approx(float(again.raw(X[:1])[0]), abs=1e-3)
     # the exported trees are scikit-learn's trees

@@ -32,8 +32,8 @@ class Scorer(Protocol):
 
     def explain(
         self, event: dict[str, Any], features: dict[str, Any], top: int = 3
-    ) -> list[tuple[str, float]]:
-        """The ``top`` inputs that raised the score most: ``(name, contribution)``."""
+    ) -> list[tuple[str, float, float]]:
+        """The ``top`` inputs that raised the score most: ``(name, input value, contribution)``."""
         ...
 
 
@@ -78,12 +78,11 @@ def decide(
         reasons.append(by_model)
         if model is not None:
             top = model.explain(event, features, 3)
-            reasons += [
-                f"model: {name}={_value(name, event, features)} (+{c:.2f})" for name, c in top if c > 0
-            ]
+            reasons += [f"model: {name}={_fmt(name, value)} (+{c:.2f})" for name, value, c in top if c > 0]
     return Verdict(decision, score, reasons, hits)
 
 
-def _value(name: str, event: dict[str, Any], features: dict[str, Any]) -> str:
-    v = features.get(name, event.get(name.removeprefix("event_")))
-    return f"{v:g}" if isinstance(v, float) else str(v)
+def _fmt(name: str, value: float) -> str:
+    if value == -1 and not name.startswith("event_"):
+        return "none"  # the event has no such entity
+    return f"{value:.6g}"
