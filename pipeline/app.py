@@ -80,7 +80,11 @@ def create_app(settings: Settings) -> faust.App:
         consumer_group_instance_id=settings.static_instance_id,
         # Faust puts its URL into the group's assignment and checks it when a static member gets its
         # cached assignment back: keep it stable across restarts (surge routes nothing by it)
-        **({"canonical_url": f"http://{settings.static_instance_id}.worker"} if settings.static_instance_id else {}),
+        **(
+            {"canonical_url": f"http://{settings.static_instance_id}.worker"}
+            if settings.static_instance_id
+            else {}
+        ),
         # on a rebalance surge drains its own in-flight work (bounded, see agents/worker.py) and
         # never lets Faust wait for every unacked message without a bound
         stream_wait_empty=False,

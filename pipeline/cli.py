@@ -264,7 +264,17 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks against baselines, on the embedded broker")
     b.add_argument(
         "scenario",
-        choices=["batching", "merging", "priority", "overhead", "gateway", "surge", "failover", "risk", "replay"],
+        choices=[
+            "batching",
+            "merging",
+            "priority",
+            "overhead",
+            "gateway",
+            "surge",
+            "failover",
+            "risk",
+            "replay",
+        ],
     )
     b.add_argument("--quick", action="store_true", help="a small run (what the tests use)")
     b.add_argument("--json", default=None)

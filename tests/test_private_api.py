@@ -33,8 +33,7 @@ COMPAT = {"pipeline/compat.py", "tests/test_compat.py"}
 
 #: files that still use private APIs directly, until they switch to pipeline.compat; empty it then.
 #: Each entry names what to switch to.
-NOT_YET_SWITCHED: dict[str, str] = {
-}
+NOT_YET_SWITCHED: dict[str, str] = {}
 
 #: (file, expression) pairs that read a surge object's own private attribute whose name happens to be
 #: a private name of the libraries too, with the object's class
