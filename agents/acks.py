@@ -1,12 +1,14 @@
-"""Acks in offset order: a record is acked to Faust only when it and every record before it on its
-partition are finished (their outputs acknowledged by the broker). See pipeline/offsets.py for why,
-and docs/architecture.md, "Guarantees".
+"""Commits in offset order: an offset is committed only when every record of its partition from where
+this worker started reading is finished (their outputs acknowledged by the broker). See
+pipeline/offsets.py for why, and docs/architecture.md, "Guarantees".
 
-One :class:`Acker` per worker. A reader calls :meth:`Acker.track` as it takes a record; whoever
+One :class:`Acker` per worker. A reader awaits :meth:`Acker.track` as it takes a record; whoever
 produces the record's outputs calls :meth:`Acker.ack_after` with the broker's acknowledgement
-futures. On a rebalance the ledgers of revoked partitions are dropped: records still in flight from
-them are answered but never acked, so the next owner reads them again (and the reply table makes
-that repeat identical).
+futures. The Acker commits the released offsets itself (:meth:`Acker.commit`, on a timer and at
+every drain) rather than through Faust's ack bookkeeping, which commits past records it never
+delivered and forgets acks at a rebalance. On a rebalance the ledgers of revoked partitions are
+dropped: records still in flight from them are answered but never committed, so the next owner
+reads them again (and the reply table makes that repeat identical).
 """
 
 from __future__ import annotations
@@ -20,9 +22,14 @@ from typing import Any
 import faust
 from faust.types import TP, EventT
 
+from agents.offset_oracle import OffsetOracle
+from pipeline.compat import commit_offsets
 from pipeline.offsets import PartitionLedger
 
 log = logging.getLogger("surge.acks")
+
+#: how long a question to the broker about offsets may take before the Acker goes on without it
+ORACLE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,30 +44,85 @@ class Ticket:
 class Acker:
     """Ledgers of every partition this worker reads, and the tasks that wait for broker acks."""
 
-    def __init__(self, app: faust.App) -> None:
+    def __init__(self, app: faust.App, oracle: OffsetOracle | None = None, hole_grace_s: float = 3.0) -> None:
         self.app = app
+        #: where a partition's reading starts, and which offsets the log holds; None: trust the first
+        #: record read (tools and tests without a broker)
+        self.oracle = oracle
+        self.hole_grace_s = hole_grace_s
         self._ledgers: dict[TP, PartitionLedger[tuple[faust.StreamT, EventT]]] = {}
+        self._committed: dict[TP, int] = {}
+        self._starts: dict[TP, int] = {}  # where reading starts this generation (set at assignment)
+        self._holes: dict[tuple[TP, int], float] = {}  # (partition, offset) -> when first seen
+        self._commit_lock = asyncio.Lock()  # one commit at a time: a later point never lands first
         self._tasks: set[asyncio.Task[None]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
         #: bumped on every rebalance: records received before it are stale
         self.generation = 0
 
-    def track(self, stream: faust.StreamT, event: EventT, generation: int | None = None) -> Ticket | None:
+    async def track(
+        self, stream: faust.StreamT, event: EventT, generation: int | None = None
+    ) -> Ticket | None:
         """Register a record as taken on; None when it is stale: received before a rebalance that
-        happened while its reader waited (``generation`` is :attr:`generation` at receipt). A stale
-        record is dropped untouched: its partition is read again from the committed offset by
-        whoever owns it now, and acking it here could commit past another owner's unread records."""
-        if generation is not None and generation != self.generation:
+        happened while its reader waited (``generation`` is :attr:`generation` at receipt), or a
+        repeat delivery of an offset already taken on. Either is dropped untouched: a stale record's
+        partition is read again from the committed offset by whoever owns it now, and taking it on
+        here could commit past another owner's unread records."""
+        if generation is None:
+            generation = self.generation
+        if generation != self.generation:
             return None
         msg = event.message
         ledger = self._ledgers.get(msg.tp)
-        if ledger is None or (ledger.last_read is not None and msg.offset <= ledger.last_read):
-            # a new partition, or one read again from its committed offset after a rebalance
-            ledger = self._ledgers[msg.tp] = PartitionLedger()
-        ledger.read(msg.offset, (stream, event))
+        if ledger is None:  # a partition new to this generation: reading starts at its committed offset
+            start = self._starts.get(msg.tp)
+            if start is None:
+                start = await self._start_of(msg.tp)
+            if generation != self.generation:
+                return None
+            ledger = self._ledgers.setdefault(msg.tp, PartitionLedger(start))
+            if start is not None and msg.offset > start:
+                log.info("%s: reading starts at %d, first record delivered is %d", msg.tp, start, msg.offset)
+        if not ledger.read(msg.offset, (stream, event)):
+            # fetched twice (the fetcher may hand over records from an older position first):
+            # in flight here or already released
+            log.debug("dropping a repeat delivery of %s offset %d", msg.tp, msg.offset)
+            return None
         self._idle.clear()
         return Ticket(msg.tp, ledger, msg.offset)
+
+    async def seek_to_starts(self, tps: Iterable[TP]) -> dict[TP, int]:
+        """Called on every assignment, before reading resumes: seek each partition to where this
+        generation's reading starts (committed offset, else the log start) and remember it.
+
+        Why: Faust seeks assigned partitions to their committed offsets, and aiokafka's
+        ``seek_to_committed`` leaves a partition that has none where it was. A partition kept
+        across a rebalance before anything was committed on it would go on from where the previous
+        generation's fetch stopped, while Faust discards what that generation had fetched and not
+        yet handed over: those records would never be read.
+        """
+        starts: dict[TP, int] = {}
+        for tp in tps:
+            start = await self._start_of(tp)
+            if start is not None:
+                starts[tp] = start
+        if starts:
+            try:
+                await asyncio.wait_for(self.app.consumer.seek_wait(starts), 2 * ORACLE_TIMEOUT_S)
+            except Exception as exc:  # the hole check (check_holes) catches what this misses
+                log.warning("could not seek %d partitions to their starts (%r)", len(starts), exc)
+        self._starts.update(starts)
+        return starts
+
+    async def _start_of(self, tp: TP) -> int | None:
+        if self.oracle is None:
+            return None
+        try:
+            return await asyncio.wait_for(self.oracle.start_of(tp.topic, tp.partition), ORACLE_TIMEOUT_S)
+        except Exception as exc:  # the broker will be asked again at the next rebalance
+            log.warning("could not read where %s starts (%r): trusting its first record", tp, exc)
+            return None
 
     def ticket_of(self, event: EventT) -> Ticket | None:
         """The ticket of a record already tracked and not yet released, or None."""
@@ -79,11 +141,9 @@ class Acker:
         for ticket in tickets:
             ledger = ticket.ledger
             current = self._ledgers.get(ticket.tp)
-            releasable = ledger.finish(ticket.offset)
+            ledger.finish(ticket.offset)
             if current is not ledger:
-                continue  # the partition was revoked (or re-read) since: its next owner reads it again
-            for stream, event in releasable:
-                await stream.ack(event)
+                continue  # the partition was revoked since: its next owner reads it again
         if self.pending() == 0:
             self._idle.set()
 
@@ -106,11 +166,81 @@ class Acker:
             return
         await self.finish(tickets)
 
+    def commit_points(self) -> dict[TP, int]:
+        """The offset to commit per partition for what was released and not committed yet."""
+        return {
+            tp: ledger.commit_point
+            for tp, ledger in self._ledgers.items()
+            if ledger.commit_point is not None and ledger.commit_point > self._committed.get(tp, -1)
+        }
+
+    async def commit(self) -> bool:
+        """Commit every released run now; called on a timer and at every drain (Faust forgets its
+        acks of revoked partitions before the app hears of a rebalance, so its own commit then would
+        leave out what was released since its last timer). False when the group refused it."""
+        async with self._commit_lock:
+            points = self.commit_points()
+            if not points:
+                return True
+            if not await commit_offsets(self.app.consumer, points):
+                return False
+            for tp, offset in points.items():
+                self._committed[tp] = max(offset, self._committed.get(tp, -1))
+            return True
+
+    async def check_holes(self, now: float) -> int:
+        """Ask the broker about runs that wait for an offset never delivered though later ones
+        were, once they have waited ``hole_grace_s``: step over offsets the log does not hold, or
+        read the partition again from there. Returns how many holes were stepped over."""
+        if self.oracle is None:
+            return 0
+        resolved = 0
+        live: set[tuple[TP, int]] = set()
+        for tp, ledger in list(self._ledgers.items()):
+            hole = ledger.hole()
+            if hole is None:
+                continue
+            key = (tp, hole)
+            live.add(key)
+            first_seen = self._holes.setdefault(key, now)
+            if now - first_seen < self.hole_grace_s:
+                continue
+            generation = self.generation
+            try:
+                first = await asyncio.wait_for(
+                    self.oracle.first_at_or_after(tp.topic, tp.partition, hole), ORACLE_TIMEOUT_S
+                )
+            except Exception as exc:  # asked again on the next tick
+                log.warning("could not probe %s at offset %d (%r)", tp, hole, exc)
+                continue
+            if generation != self.generation or self._ledgers.get(tp) is not ledger or ledger.hole() != hole:
+                continue  # a rebalance, or the record arrived meanwhile
+            if first is not None and first > hole:
+                log.warning("%s: offsets %d..%d are not in the log (transaction markers?); stepping over",
+                            tp, hole, first - 1)  # fmt: skip
+                ledger.skip_to(first)
+                resolved += 1
+            else:
+                log.warning(
+                    "%s: offset %d was never delivered; reading the partition again from it", tp, hole
+                )
+                # seek_wait, not seek: Faust's seek calls aiokafka from this thread, not the consumer's
+                try:
+                    await asyncio.wait_for(self.app.consumer.seek_wait({tp: hole}), ORACLE_TIMEOUT_S)
+                except Exception as exc:  # asked again on the next tick
+                    log.warning("could not seek %s to %d (%r)", tp, hole, exc)
+            self._holes[key] = now
+        for key in [k for k in self._holes if k not in live]:
+            del self._holes[key]
+        return resolved
+
     def revoke(self, tps: Iterable[TP]) -> None:
         """Drop the ledgers of revoked partitions (called on every rebalance)."""
         self.generation += 1
+        self._starts.clear()
         for tp in tps:
             self._ledgers.pop(tp, None)
+            self._committed.pop(tp, None)
         if self.pending() == 0:
             self._idle.set()
 

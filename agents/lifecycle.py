@@ -18,6 +18,7 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import faust
@@ -25,7 +26,7 @@ from faust.types import TP
 
 from agents.runtime import Runtime
 from pipeline.admin import changelog_topics
-from pipeline.compat import producer_partitions_for
+from pipeline.compat import blind_read_offsets, producer_partitions_for
 from pipeline.terms import PRIORITIES
 
 log = logging.getLogger("surge.lifecycle")
@@ -34,9 +35,11 @@ log = logging.getLogger("surge.lifecycle")
 class Lifecycle:
     """Readiness and the drains of one worker."""
 
-    def __init__(self, app: faust.App, rt: Runtime) -> None:
+    def __init__(self, app: faust.App, rt: Runtime, source_topics: Iterable[str] = ()) -> None:
         self.app = app
         self.rt = rt
+        #: topics read by agents that commit through the Acker (see SurgeWorker.on_first_start)
+        self.source_topics = tuple(source_topics)
         self.ready = asyncio.Event()
         #: set on SIGTERM: readers take on nothing new
         self.stopping = False
@@ -94,12 +97,7 @@ class Lifecycle:
         ok = await self.rt.acker.wait_idle(timeout_s)
         committed = False
         try:
-            # a commit already under way makes Faust return False without committing what was
-            # acked since: ask again until one of ours ran
-            for _ in range(5):
-                if await self.app.consumer.commit():
-                    committed = True
-                    break
+            committed = await self.rt.acker.commit()
         except Exception:
             log.exception("commit after drain failed")
         log.warning(
@@ -137,6 +135,19 @@ class SurgeWorker(faust.Worker):
         super().__init__(app, **kwargs)
         self.lifecycle = lifecycle
         self._draining: asyncio.Task[None] | None = None
+
+    async def on_first_start(self) -> None:
+        """Before the consumer starts: Faust's read offsets go blind for the Acker's source topics
+        (:func:`pipeline.compat.blind_read_offsets` says why; docs/architecture.md, "Guarantees")."""
+        await super().on_first_start()
+        if self.lifecycle.source_topics:
+            blind_read_offsets(self.app.consumer, self.lifecycle.source_topics)
+
+    async def on_stop(self) -> None:
+        await super().on_stop()
+        oracle = self.lifecycle.rt.acker.oracle
+        if oracle is not None:
+            await oracle.close()
 
     def _on_sigterm(self) -> None:
         log.warning("SIGTERM: no new work; draining, committing, then stopping")

@@ -20,6 +20,7 @@ import faust
 from faust.types import EventT
 
 from agents.acks import Acker
+from agents.offset_oracle import OffsetOracle
 from pipeline.compat import as_current_event, producer_partitions_for
 from pipeline.keys import reply_key
 from pipeline.metrics import Metrics
@@ -57,7 +58,7 @@ class Runtime:
 
     def __post_init__(self) -> None:
         self.topics = TopicNames(self.settings.topic_prefix)
-        self.acker = Acker(self.app)
+        self.acker = Acker(self.app, OffsetOracle(self.settings))
         self.reply_policy = ReplyToPolicy(
             self.topics, self.settings.app_id, self.settings.reply_topic_pattern
         )

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import socket
+import time
 from typing import Any
 
 import faust
@@ -23,6 +24,7 @@ from pipeline.metrics import GpuSampler, create_metrics
 from pipeline.records import now_ms
 from pipeline.replybook import ReplyBook
 from pipeline.settings import Settings
+from pipeline.terms import PRIORITIES
 
 log = logging.getLogger("surge.worker")
 
@@ -90,7 +92,8 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
         inference_agent.register(rt, inf)
         rt.inference = inf
 
-    life = rt.lifecycle = Lifecycle(app, rt)
+    sources = [rt.topics.requests, *(rt.topics.work(p) for p in PRIORITIES)]
+    life = rt.lifecycle = Lifecycle(app, rt, source_topics=sources)
 
     @app.on_partitions_revoked.connect
     async def drain_on_revoke(app: faust.App, revoked: set[Any], **_: Any) -> None:
@@ -102,6 +105,14 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
         held = forget_read_offsets(app.consumer, assigned)
         if held:
             log.warning("rebalance: forgot %d stale read offsets", held)
+        # every source partition starts at its committed offset, else the log start (agents/acks.py)
+        await rt.acker.seek_to_starts([tp for tp in assigned if tp.topic in life.source_topics])
+
+    @app.timer(interval=settings.commit_interval_ms / 1000)
+    async def commit_released() -> None:
+        # the Acker commits what its ledgers released and checks for holes (agents/acks.py)
+        await rt.acker.commit()
+        await rt.acker.check_holes(time.monotonic())
 
     @app.task
     async def warm_writes() -> None:

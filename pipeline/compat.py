@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -88,3 +88,63 @@ def forget_read_offsets(consumer: Any, tps: Any) -> int:
         if read_offset.pop(tp, None) is not None:
             held += 1
     return held
+
+
+class SourceBlindReadOffsets(MutableMapping[Any, Any]):
+    """Faust's per-partition read offsets, kept for every topic except the agents' source topics.
+
+    For a source topic, reads return None and writes are ignored, so Faust's fetcher neither drops a
+    record as "already read" nor records a "gap" that its commit would later step over. Both are
+    safe only if Faust's read offsets are always right, and they are not around a rebalance: the
+    fetcher, suspended mid-delivery, marks a record read after Faust cleared the revoked partitions'
+    offsets (and may do so after the next assignment), and the next generation then drops every
+    record up to it while committing what follows, so those requests are lost. surge orders its own
+    commits (:mod:`pipeline.offsets`) and drops repeats itself, so it needs neither mechanism for
+    the topics it reads with acks. Changelog topics keep Faust's behaviour (table recovery relies
+    on it). Private: ``Consumer._read_offset``, read by ``Consumer._drain_messages``.
+    """
+
+    def __init__(self, topics: Iterable[str], inner: MutableMapping[Any, Any] | None = None) -> None:
+        self.topics = frozenset(topics)
+        self._inner: dict[Any, Any] = dict(inner or {})
+        for tp in [tp for tp in self._inner if tp.topic in self.topics]:
+            del self._inner[tp]
+
+    def __getitem__(self, tp: Any) -> Any:
+        return None if tp.topic in self.topics else self._inner.get(tp)  # defaultdict(None) semantics
+
+    def __setitem__(self, tp: Any, offset: Any) -> None:
+        if tp.topic not in self.topics:
+            self._inner[tp] = offset
+
+    def __delitem__(self, tp: Any) -> None:
+        self._inner.pop(tp, None)
+
+    def __contains__(self, tp: object) -> bool:
+        return tp in self._inner
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._inner)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+
+def blind_read_offsets(consumer: Any, topics: Iterable[str]) -> SourceBlindReadOffsets:
+    """Replace Faust's read offsets by :class:`SourceBlindReadOffsets` for ``topics``; called once,
+    before the consumer starts (its fetch loop binds the mapping's methods when it starts)."""
+    blind = SourceBlindReadOffsets(topics, consumer._read_offset)
+    consumer._read_offset = blind
+    return blind
+
+
+async def commit_offsets(consumer: Any, offsets: Mapping[Any, int]) -> bool:
+    """Commit exactly ``offsets`` (partition -> next offset to read) for the group; False when the
+    group has already rebalanced. Used at a drain, from inside Faust's revocation callback.
+
+    Why: Faust's public ``commit()`` commits what its own ack bookkeeping holds, and it clears that
+    for the revoked partitions before the app hears of the rebalance. Private:
+    ``faust.transport.consumer.ThreadDelegateConsumer._commit``.
+    """
+    commit: Any = consumer._commit
+    return bool(await commit(dict(offsets)))

@@ -1,21 +1,23 @@
-"""Which offsets of a partition may be committed: the done prefix of what was read, in order.
+"""Which offsets of a partition may be committed: the done prefix from where reading started.
 
 Records of one partition finish out of order in surge (a cache hit overtakes a queued question,
 real-time overtakes batch, a merged follower finishes with its leader). Committing past a record
 that is not finished loses it on a crash, so an offset may only be committed once every record
-before it on its partition is finished. Faust's own bookkeeping commits the first run of
-consecutive acked offsets and can step over an unfinished head record (an off-by-one when the
-committed offset is the next one to read, and no check at all while it is 0), so the agents never
-hand Faust an ack out of order: a :class:`PartitionLedger` per partition holds what was read and
-releases the finished prefix (docs/architecture.md, "Guarantees").
+before it on its partition is finished. Records may also *arrive* out of order: after a rebalance
+the fetcher can hand over records it fetched from an older position before those from the
+committed offset. So a :class:`PartitionLedger` starts at the offset its owner started reading from
+(the group's committed offset, else the log start), takes records in any order, drops repeats, and
+releases only the finished run from that start (docs/architecture.md, "Guarantees").
 
-Pure: no Kafka or Faust imports. Offsets are whatever the reader saw, in the order it saw them;
-they need not be consecutive (compaction and transaction markers leave gaps).
+An offset that is not in the log at all (a transaction marker, a compacted record) would hold the
+run back for ever; the agent that finds such a hole confirms it with the broker and skips it
+(:meth:`PartitionLedger.skip_to`).
+
+Pure: no Kafka or Faust imports.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Generic, TypeVar
 
 from pipeline.exceptions import SurgeError
@@ -24,21 +26,25 @@ T = TypeVar("T")
 
 
 class LedgerError(SurgeError):
-    """An offset was finished that the ledger never saw, or read twice out of order."""
+    """An offset was finished that the ledger never saw, or that was already released."""
 
 
 class PartitionLedger(Generic[T]):
-    """Offsets of one partition in read order, each with a token handed back once releasable.
+    """Offsets of one partition read since ``start``, each with a token handed back once releasable.
 
     :meth:`read` is called by the agent as it takes a record from the stream, :meth:`finish` when
     what the record produced has been acknowledged by the broker. ``finish`` returns the tokens of
-    the records that may now be acked, in offset order: the longest finished prefix.
+    the records that may now be acked, in offset order: the finished run from the start.
+    ``start`` None: the first offset read is the start (used where nothing else is known).
     """
 
-    def __init__(self) -> None:
-        self._entries: OrderedDict[int, list[object]] = OrderedDict()  # offset -> [done, token]
+    def __init__(self, start: int | None = None) -> None:
+        self._entries: dict[int, list[object]] = {}  # offset -> [done, token]
+        self._base = start  # the next offset to release
         self._last: int | None = None
         self.released = 0
+        #: the offset to commit for what was released so far (last released + 1), None before any
+        self.commit_point: int | None = None
 
     def __len__(self) -> int:
         """Records read and not yet released."""
@@ -50,14 +56,25 @@ class PartitionLedger(Generic[T]):
 
     @property
     def last_read(self) -> int | None:
+        """The highest offset read."""
         return self._last
 
-    def read(self, offset: int, token: T) -> None:
-        """Register a record as it is read; offsets must increase (a re-read needs a new ledger)."""
-        if self._last is not None and offset <= self._last:
-            raise LedgerError(f"offset {offset} read after {self._last}: a re-read needs a new ledger")
-        self._last = offset
+    @property
+    def next_release(self) -> int | None:
+        """The offset the released run waits for next (None before the first read without a start)."""
+        return self._base
+
+    def read(self, offset: int, token: T) -> bool:
+        """Register a record as it is read; False for a repeat (in flight here, already released,
+        or before the start), which the reader drops untouched."""
+        if self._base is None:
+            self._base = offset
+        if offset < self._base or offset in self._entries:
+            return False
         self._entries[offset] = [False, token]
+        if self._last is None or offset > self._last:
+            self._last = offset
+        return True
 
     def finish(self, offset: int) -> list[T]:
         """Mark a record finished; returns the tokens now releasable (possibly none), in order."""
@@ -65,19 +82,38 @@ class PartitionLedger(Generic[T]):
         if entry is None:
             raise LedgerError(f"offset {offset} was never read, or was already released")
         entry[0] = True
+        return self._release()
+
+    def hole(self) -> int | None:
+        """The offset the run waits for when it was never read though later ones were, else None."""
+        if self._entries and self._base is not None and self._base not in self._entries:
+            return self._base
+        return None
+
+    def skip_to(self, offset: int) -> list[T]:
+        """Offsets from the next release up to ``offset`` (excluded) are not in the log: step over
+        them. Returns the tokens now releasable."""
+        if self._base is not None and offset > self._base:
+            if any(o < offset for o in self._entries):
+                raise LedgerError(f"cannot skip to {offset}: records before it were read")
+            self._base = offset
+            self.commit_point = offset
+        return self._release()
+
+    def _release(self) -> list[T]:
         out: list[T] = []
-        while self._entries:
-            first = next(iter(self._entries.values()))
-            if not first[0]:
-                break
-            _, (_, token) = self._entries.popitem(last=False)
-            out.append(token)  # type: ignore[arg-type]
-        self.released += len(out)
+        base = self._base
+        entries = self._entries
+        while base is not None and base in entries and entries[base][0]:
+            out.append(entries.pop(base)[1])  # type: ignore[arg-type]
+            base += 1
+        if out:
+            self._base = base
+            self.commit_point = base
+            self.released += len(out)
         return out
 
     def oldest_unfinished(self) -> int | None:
         """The offset that holds back the commit point, or None when nothing is pending."""
-        for offset, (done, _) in self._entries.items():
-            if not done:
-                return offset
-        return None
+        pending = [o for o, (done, _) in self._entries.items() if not done]
+        return min(pending) if pending else None

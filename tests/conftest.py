@@ -53,6 +53,12 @@ class Deployment(SharedDeployment):
         )
         super().__init__("test", full, kafka.bootstrap, tmp)
 
+    def stop_workers(self, timeout_s: float = 30.0) -> None:
+        """At teardown, SIGKILL: what a test checks has happened by then, and a graceful stop
+        (tested where it matters, with ``terminate``) costs seconds per worker."""
+        for w in self.workers:
+            w.kill()
+
     @property
     def settings(self) -> Settings:  # type: ignore[override]
         """A property here, for tests/test_gateway.py; ``settings()`` on the shared class."""

@@ -46,6 +46,9 @@ def test_the_private_attributes_exist() -> None:
     assert "self._coordinator = GroupCoordinator(" in inspect.getsource(AIOKafkaConsumer)
     assert "self._group_instance_id = group_instance_id" in inspect.getsource(GroupCoordinator)
     assert inspect.iscoroutinefunction(GroupCoordinator._maybe_leave_group)
+    assert inspect.iscoroutinefunction(ThreadDelegateConsumer._commit)  # commit_offsets
+    # the Acker seeks with seek_wait (run on the consumer's own thread, waits for the position)
+    assert "call_thread(self._seek_wait" in inspect.getsource(faust_aiokafka.AIOKafkaConsumerThread.seek_wait)
 
 
 async def test_the_consumer_keeps_its_client_in_client() -> None:
@@ -105,3 +108,32 @@ async def test_producer_partitions_for_loads_the_metadata(kafka: EmbeddedKafka) 
         assert await compat.producer_partitions_for(producer, topic) == {0, 1}
     finally:
         await producer.stop()
+
+
+def test_faust_reads_and_writes_read_offsets_through_the_mapping() -> None:
+    from faust.transport.consumer import Consumer
+
+    drain = inspect.getsource(Consumer._drain_messages)
+    assert "get_read_offset = self._read_offset.__getitem__" in drain
+    assert "set_read_offset = self._read_offset.__setitem__" in drain
+    assert "await self._add_gap(tp, r_offset + 1, offset)" in drain  # only when r_offset is set
+    assert "read_offset.update(" in inspect.getsource(Consumer.perform_seek)
+
+
+async def test_blind_read_offsets_ignore_source_topics_only() -> None:
+    from faust.types import TP
+
+    app = faust.App(f"blind-{uuid.uuid4().hex[:6]}", broker="kafka://127.0.0.1:1")
+    consumer = app.consumer
+    src, other = TP("surge.requests", 0), TP("app-answers-changelog", 0)
+    consumer._read_offset[src] = 40  # held from before: forgotten when the mapping goes blind
+    blind = compat.blind_read_offsets(consumer, ["surge.requests"])
+    assert consumer._read_offset is blind and blind[src] is None
+    # what the fetcher does after a rebalance (marks a record read nobody saw), and a seek
+    blind[src] = 57
+    blind.update({src: 60, other: 7})
+    assert blind[src] is None, "a source record is never dropped as already read, nor a gap made"
+    assert blind[other] == 7 and blind[TP("app-answers-changelog", 1)] is None
+    blind.pop(src, None)
+    blind.pop(other, None)
+    assert blind[other] is None and len(blind) == 0

@@ -18,7 +18,11 @@ pytestmark = pytest.mark.integration
 
 
 async def gather_replies(futs: list, timeout_s: float = 90.0) -> list:
-    return await asyncio.wait_for(asyncio.gather(*futs), timeout_s)
+    """Every future's reply, in order; on timeout, an error naming how many never came."""
+    _, pending = await asyncio.wait(futs, timeout=timeout_s)
+    if pending:
+        raise AssertionError(f"{len(pending)} of {len(futs)} requests unanswered after {timeout_s} s")
+    return [f.result() for f in futs]
 
 
 async def test_500_requests_from_20_users_in_all_four_classes_each_answered_once_in_order(deployment) -> None:

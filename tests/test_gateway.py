@@ -285,8 +285,7 @@ def stack(kafka: EmbeddedKafka, tmp_path_factory: pytest.TempPathFactory) -> Ite
         for gw in gws:
             gw.stop()
         for d in (main, slow):
-            for w in d.workers:
-                w.stop()
+            d.stop_workers()  # SIGKILL: tests/conftest.py
 
 
 @pytest.mark.integration

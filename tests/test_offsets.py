@@ -32,23 +32,69 @@ def test_offset_zero_head_is_respected() -> None:
     assert ledger.finish(1) == [1]
 
 
-def test_gaps_in_offsets_are_fine() -> None:
-    ledger: PartitionLedger[int] = PartitionLedger()
-    for off in (10, 12, 15):  # compaction or transaction markers
+def test_a_gap_holds_the_run_until_the_broker_confirms_it() -> None:
+    ledger: PartitionLedger[int] = PartitionLedger(start=10)
+    for off in (10, 12, 15):  # 11, 13, 14: transaction markers, or records not delivered yet
         ledger.read(off, off)
     assert ledger.finish(15) == []
     assert ledger.finish(10) == [10]
-    assert ledger.finish(12) == [12, 15]
-
-
-def test_rereading_and_unknown_offsets_are_errors() -> None:
-    ledger: PartitionLedger[int] = PartitionLedger()
-    ledger.read(5, 5)
+    assert ledger.finish(12) == [] and ledger.hole() == 11
     with pytest.raises(LedgerError):
-        ledger.read(5, 5)
+        ledger.skip_to(13)  # 12 was read: a skip never steps over a record that was read
+    assert ledger.skip_to(12) == [12] and ledger.hole() == 13
+    assert ledger.skip_to(15) == [15] and ledger.commit_point == 16 and ledger.hole() is None
+
+
+def test_records_arriving_ahead_of_the_committed_offset_wait_for_it() -> None:
+    """After a rebalance the fetcher may hand over records from an older fetch position before
+    those from the committed offset: nothing may be released until the start is read."""
+    ledger: PartitionLedger[int] = PartitionLedger(start=5)
+    for off in range(9, 17):  # ahead of the committed offset
+        assert ledger.read(off, off)
+    assert [ledger.finish(off) for off in range(9, 17)] == [[]] * 8
+    assert ledger.hole() == 5 and ledger.commit_point is None
+    for off in range(5, 17):  # then the fetch from the committed offset: 9.. are repeats
+        assert ledger.read(off, off) == (off < 9)
+    assert ledger.read(4, 4) is False, "before the start: already committed"
+    assert ledger.finish(6) == [] and ledger.finish(5) == [5, 6]
+    assert ledger.finish(7) == [7] and ledger.finish(8) == [8, *range(9, 17)]
+    assert ledger.commit_point == 17
+
+
+@given(st.integers(1, 40), st.integers(0, 3), st.randoms(use_true_random=False))
+def test_whatever_the_arrival_order_only_the_finished_run_from_the_start_is_released(
+    n: int, start: int, rnd: random.Random
+) -> None:
+    ledger: PartitionLedger[int] = PartitionLedger(start=start)
+    arrivals = list(range(start, start + n)) * 2  # every record twice, in any order
+    rnd.shuffle(arrivals)
+    taken: list[int] = []
+    for off in arrivals:
+        if ledger.read(off, off):
+            taken.append(off)
+    assert sorted(taken) == list(range(start, start + n)), "each record taken on exactly once"
+    rnd.shuffle(taken)
+    released: list[int] = []
+    finished: set[int] = set()
+    for off in taken:
+        finished.add(off)
+        released += ledger.finish(off)
+        head = next((o for o in range(start, start + n) if o not in finished), start + n)
+        assert released == list(range(start, head))
+    assert ledger.commit_point == start + n
+
+
+def test_a_repeat_is_refused_and_unknown_offsets_are_errors() -> None:
+    ledger: PartitionLedger[int] = PartitionLedger()  # no start known: the first read is the start
+    assert ledger.read(5, 5) and ledger.read(7, 7)
+    # a second delivery of a record in flight is not taken on again; one before the start neither
+    assert not ledger.read(7, 7) and not ledger.read(5, 5) and not ledger.read(4, 4)
     with pytest.raises(LedgerError):
         ledger.finish(6)
-    assert 5 in ledger and 6 not in ledger
+    assert ledger.read(6, 6), "a record arriving late fills its place"
+    assert ledger.finish(5) == [5]
+    assert not ledger.read(5, 5), "a released offset read again stays released"
+    assert ledger.finish(7) == [] and ledger.finish(6) == [6, 7] and len(ledger) == 0
 
 
 @given(st.integers(1, 60), st.randoms(use_true_random=False))
@@ -67,3 +113,16 @@ def test_released_is_always_a_prefix_in_order(n: int, rnd: random.Random) -> Non
         assert released == list(range(len(released)))
         assert len(released) == next((i for i in range(n) if i not in finished), n)
     assert released == list(range(n))
+
+
+def test_the_commit_point_follows_the_released_prefix() -> None:
+    ledger: PartitionLedger[int] = PartitionLedger(start=40)
+    assert ledger.commit_point is None
+    for off in (40, 41, 42):
+        ledger.read(off, off)
+    ledger.finish(41)
+    assert ledger.commit_point is None, "nothing released while the head is unfinished"
+    ledger.finish(40)
+    assert ledger.commit_point == 42
+    ledger.finish(42)
+    assert ledger.commit_point == 43

@@ -1,0 +1,83 @@
+"""What the broker says about a partition's offsets, for the Acker's ledgers (agents/acks.py).
+
+Two questions, each asked rarely: where a partition's reading starts for this worker (the group's
+committed offset, else the log start: what the consumer resets to), asked once per partition per
+rebalance; and, when a ledger's run waits for an offset that never arrived though later ones did,
+the first offset the log really holds from there (a transaction marker or a compacted record is
+not in it). A consumer without a group answers the second; one carrying the group id answers the
+first without ever joining the group. See docs/architecture.md, "Guarantees".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from pipeline.kafka_security import client_options
+from pipeline.settings import Settings
+
+log = logging.getLogger("surge.offsets")
+
+
+class OffsetOracle:
+    """Lazily started read-only consumers; :meth:`close` stops them."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._group: AIOKafkaConsumer | None = None
+        self._probe: AIOKafkaConsumer | None = None
+        self._lock = asyncio.Lock()
+
+    def _consumer(self, group_id: str | None) -> AIOKafkaConsumer:
+        s = self.settings
+        return AIOKafkaConsumer(
+            bootstrap_servers=s.bootstrap_servers, group_id=group_id, enable_auto_commit=False,
+            auto_offset_reset="earliest", **client_options(s),
+        )  # fmt: skip
+
+    async def _started(self) -> tuple[AIOKafkaConsumer, AIOKafkaConsumer]:
+        if self._group is None or self._probe is None:
+            group, probe = self._consumer(self.settings.app_id), self._consumer(None)
+            await group.start()
+            await probe.start()
+            self._group, self._probe = group, probe
+        return self._group, self._probe
+
+    async def start_of(self, topic: str, partition: int) -> int:
+        """The offset this group resumes ``topic[partition]`` from: committed, else the log start."""
+        async with self._lock:
+            group, _ = await self._started()
+            tp = TopicPartition(topic, partition)
+            committed = await group.committed(tp)
+            if committed is not None and committed >= 0:
+                return int(committed)
+            return int((await group.beginning_offsets([tp]))[tp])
+
+    async def first_at_or_after(self, topic: str, partition: int, offset: int) -> int | None:
+        """The first offset the log holds at or after ``offset`` (None: none up to its end)."""
+        async with self._lock:
+            _, probe = await self._started()
+            tp = TopicPartition(topic, partition)
+            end = (await probe.end_offsets([tp]))[tp]
+            start = (await probe.beginning_offsets([tp]))[tp]
+            if offset >= end:
+                return None
+            if offset < start:
+                return int(start)
+            probe.assign([tp])
+            probe.seek(tp, offset)
+            batch: dict[Any, list[Any]] = await probe.getmany(tp, timeout_ms=5000, max_records=1)
+            records = batch.get(tp) or []
+            return int(records[0].offset) if records else None
+
+    async def close(self) -> None:
+        for c in (self._group, self._probe):
+            if c is not None:
+                try:
+                    await c.stop()
+                except Exception:  # closing on the way out: nothing to do about it
+                    log.debug("closing an offset consumer failed", exc_info=True)
+        self._group = self._probe = None

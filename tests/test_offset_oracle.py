@@ -1,0 +1,112 @@
+"""Where reading starts and which offsets the log holds, asked of the real broker; and a worker
+whose request topic is written by a transactional producer (markers leave holes in the offsets)
+still commits everything it answered."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.structs import OffsetAndMetadata
+
+from agents.offset_oracle import OffsetOracle
+from pipeline.broker import EmbeddedKafka
+from pipeline.records import now_ms
+from pipeline.settings import Settings
+from tests.conftest import RELAXED, request
+
+pytestmark = pytest.mark.integration
+
+
+async def _topic(bootstrap: str) -> str:
+    name = f"oracle-{uuid.uuid4().hex[:8]}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(name, num_partitions=1, replication_factor=1)])
+    finally:
+        await admin.close()
+    return name
+
+
+async def _transactional_sends(bootstrap: str, topic: str, values: list[bytes], key: bytes = b"k") -> None:
+    """One transaction per record: each commit leaves a marker after its record."""
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, transactional_id=f"tx-{uuid.uuid4().hex[:6]}", enable_idempotence=True
+    )
+    await producer.start()
+    try:
+        for value in values:
+            async with producer.transaction():
+                await producer.send_and_wait(topic, value, key=key, partition=0)
+    finally:
+        await producer.stop()
+
+
+async def test_start_is_the_committed_offset_else_the_log_start(kafka: EmbeddedKafka) -> None:
+    topic = await _topic(kafka.bootstrap)
+    group = f"g-{uuid.uuid4().hex[:6]}"
+    producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap)
+    await producer.start()
+    for i in range(3):
+        await producer.send_and_wait(topic, b"x%d" % i, partition=0)
+    await producer.stop()
+    oracle = OffsetOracle(Settings(broker=f"kafka://{kafka.bootstrap}", app_id=group))
+    try:
+        assert await oracle.start_of(topic, 0) == 0, "nothing committed: the log start"
+        committer = AIOKafkaConsumer(
+            bootstrap_servers=kafka.bootstrap, group_id=group, enable_auto_commit=False
+        )
+        await committer.start()
+        committer.assign([TopicPartition(topic, 0)])
+        await committer.commit({TopicPartition(topic, 0): OffsetAndMetadata(2, "")})
+        await committer.stop()
+        assert await oracle.start_of(topic, 0) == 2
+    finally:
+        await oracle.close()
+
+
+async def test_first_offset_held_steps_over_transaction_markers(kafka: EmbeddedKafka) -> None:
+    topic = await _topic(kafka.bootstrap)
+    await _transactional_sends(kafka.bootstrap, topic, [b"a", b"b"])  # a@0, marker@1, b@2, marker@3
+    oracle = OffsetOracle(Settings(broker=f"kafka://{kafka.bootstrap}", app_id="oracle-probe"))
+    try:
+        assert await oracle.first_at_or_after(topic, 0, 0) == 0
+        assert await oracle.first_at_or_after(topic, 0, 1) == 2, "offset 1 is a marker, not a record"
+        assert await oracle.first_at_or_after(topic, 0, 3) is None, "only a marker up to the end"
+    finally:
+        await oracle.close()
+
+
+async def test_requests_from_a_transactional_producer_are_answered_and_committed(deployment) -> None:
+    d = deployment(model="echo", rate_limit_enabled="false", cache_enabled="false", **RELAXED)
+    d.worker()
+    c = await d.client()
+    n = 6
+    values = []
+    for i in range(n):
+        req = request(f"tx{i}", "tx-user", f"transactional question {i}")
+        req.update(created_at=now_ms(), reply_to=c.reply_topic)
+        values.append(json.dumps(req).encode())
+    futs = [c.expect(f"r-tx{i}") for i in range(n)]
+    await _transactional_sends(d.bootstrap, d.topics.requests, values, key=b"tx-user")
+    replies = await asyncio.wait_for(asyncio.gather(*futs), 60)
+    assert all(r.status == "ok" for r in replies)
+    # the commit steps over the markers between the records: it reaches the last record + 1
+    admin = AIOKafkaAdminClient(bootstrap_servers=d.bootstrap)
+    await admin.start()
+    try:
+        committed = -1
+        for _ in range(60):
+            offsets = await admin.list_consumer_group_offsets(d.env["SURGE_APP_ID"])
+            committed = next((m.offset for tp, m in offsets.items() if tp.topic == d.topics.requests), -1)
+            if committed >= 2 * n - 1:
+                break
+            await asyncio.sleep(0.5)
+    finally:
+        await admin.close()
+    assert committed >= 2 * n - 1, f"commit stuck at {committed}: a marker held the run back"
