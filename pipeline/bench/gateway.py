@@ -48,7 +48,7 @@ class Plan:
 
 
 FULL = Plan(connections=500, rounds=2, per_round=4000, round_s=30.0)
-QUICK = Plan(connections=100, rounds=1, per_round=200, round_s=15.0)
+QUICK = Plan(connections=100, rounds=1, per_round=120, round_s=6.0)
 
 
 @dataclass
