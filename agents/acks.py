@@ -92,6 +92,16 @@ class Acker:
         self._idle.clear()
         return Ticket(msg.tp, ledger, msg.offset)
 
+    def keep_only(self, assigned: Iterable[TP]) -> None:
+        """Called on every assignment with the whole new assignment: drop the ledgers of partitions
+        no longer assigned (aiokafka may assign anew without a revocation first, and a ledger of a
+        partition owned elsewhere would hold the drain and the hole check for ever)."""
+        keep = set(assigned)
+        gone = [tp for tp in self._ledgers if tp not in keep]
+        if gone:
+            log.warning("assignment without a revocation: dropping %d partitions' ledgers", len(gone))
+            self.revoke(gone)
+
     async def seek_to_starts(self, tps: Iterable[TP]) -> dict[TP, int]:
         """Called on every assignment, before reading resumes: seek each partition to where this
         generation's reading starts (committed offset, else the log start) and remember it.

@@ -106,6 +106,7 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
         if held:
             log.warning("rebalance: forgot %d stale read offsets", held)
         # every source partition starts at its committed offset, else the log start (agents/acks.py)
+        rt.acker.keep_only(assigned)
         await rt.acker.seek_to_starts([tp for tp in assigned if tp.topic in life.source_topics])
 
     @app.timer(interval=settings.commit_interval_ms / 1000)
