@@ -34,10 +34,10 @@ ORACLE_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True, slots=True)
 class Ticket:
-    """One tracked record: the ledger it was read into, its offset, and how to ack it."""
+    """One tracked record: the ledger it was read into and its offset."""
 
     tp: TP
-    ledger: PartitionLedger[tuple[faust.StreamT, EventT]]
+    ledger: PartitionLedger[None]
     offset: int
 
 
@@ -50,7 +50,7 @@ class Acker:
         #: record read (tools and tests without a broker)
         self.oracle = oracle
         self.hole_grace_s = hole_grace_s
-        self._ledgers: dict[TP, PartitionLedger[tuple[faust.StreamT, EventT]]] = {}
+        self._ledgers: dict[TP, PartitionLedger[None]] = {}
         self._committed: dict[TP, int] = {}
         self._starts: dict[TP, int] = {}  # where reading starts this generation (set at assignment)
         self._holes: dict[tuple[TP, int], float] = {}  # (partition, offset) -> when first seen
@@ -61,9 +61,7 @@ class Acker:
         #: bumped on every rebalance: records received before it are stale
         self.generation = 0
 
-    async def track(
-        self, stream: faust.StreamT, event: EventT, generation: int | None = None
-    ) -> Ticket | None:
+    async def track(self, event: EventT, generation: int | None = None) -> Ticket | None:
         """Register a record as taken on; None when it is stale: received before a rebalance that
         happened while its reader waited (``generation`` is :attr:`generation` at receipt), or a
         repeat delivery of an offset already taken on. Either is dropped untouched: a stale record's
@@ -84,7 +82,7 @@ class Acker:
             ledger = self._ledgers.setdefault(msg.tp, PartitionLedger(start))
             if start is not None and msg.offset > start:
                 log.info("%s: reading starts at %d, first record delivered is %d", msg.tp, start, msg.offset)
-        if not ledger.read(msg.offset, (stream, event)):
+        if not ledger.read(msg.offset, None):  # nothing to hand back: the Acker commits offsets
             # fetched twice (the fetcher may hand over records from an older position first):
             # in flight here or already released
             log.debug("dropping a repeat delivery of %s offset %d", msg.tp, msg.offset)

@@ -242,7 +242,7 @@ class Inference:
         await rt.lifecycle.hold_if_stopping()
         # tracked only once admitted: a record still held by a waiting reader at a stop or a
         # rebalance was not worked on, and its next owner reads it without it being a repeat
-        ticket = await rt.acker.track(stream, event, generation)
+        ticket = await rt.acker.track(event, generation)
         if ticket is None:
             return
         try:
@@ -444,7 +444,7 @@ class Inference:
                 )
             )  # fmt: skip
         futs.append(await rt.deadletter(event, "internal", f"internal error: {exc!r}"))
-        ticket = rt.acker.ticket_of(event) or await rt.acker.track(stream, event)
+        ticket = rt.acker.ticket_of(event) or await rt.acker.track(event)
         if ticket is not None:
             rt.acker.ack_after([ticket], futs)
 

@@ -89,7 +89,7 @@ class Intake:
         generation = rt.acker.generation
         await rt.lifecycle.writes_ready.wait()
         await rt.lifecycle.hold_if_stopping()
-        ticket = await rt.acker.track(stream, event, generation)
+        ticket = await rt.acker.track(event, generation)
         if ticket is None:
             return
         futures: list[Awaitable[Any]] = []
@@ -215,6 +215,6 @@ async def intake_failed(rt: Runtime, stream: faust.StreamT, event: EventT, exc: 
             )
         )  # fmt: skip
     futures.append(await rt.deadletter(event, "internal", f"internal error: {exc!r}"))
-    ticket = rt.acker.ticket_of(event) or await rt.acker.track(stream, event)
+    ticket = rt.acker.ticket_of(event) or await rt.acker.track(event)
     if ticket is not None:
         rt.acker.ack_after([ticket], futures)

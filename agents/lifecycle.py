@@ -98,6 +98,12 @@ class Lifecycle:
         committed = False
         try:
             committed = await self.rt.acker.commit()
+            if not self.source_topics:  # agents that ack through Faust (the risk path)
+                # a commit already under way makes Faust return False without committing what
+                # was acked since: ask again until one of ours ran
+                for _ in range(5):
+                    if committed := await self.app.consumer.commit():
+                        break
         except Exception:
             log.exception("commit after drain failed")
         log.warning(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Iterable, Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,23 +185,6 @@ class Runtime:
         self.metrics.deadletter.labels(reason=reason).inc()
         log.warning("dead letter %s[%d]@%d: %s", msg.topic, msg.partition, msg.offset, message)
         return await self.send(self.topics.deadletter, key, encode(dl))
-
-
-async def ack_after(
-    stream: faust.StreamT, events: Iterable[EventT], futures: Iterable[Awaitable[Any]]
-) -> None:
-    """Ack ``events`` once every future (broker acks of what they produced) has resolved.
-
-    If a send fails the events stay un-acked, so their offsets are not committed and the records
-    are read again after a restart (at-least-once).
-    """
-    try:
-        await asyncio.gather(*futures)
-    except Exception:
-        log.exception("a send failed; leaving its source records un-acked for redelivery")
-        return
-    for event in events:
-        await stream.ack(event)
 
 
 class _Delivery:

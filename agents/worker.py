@@ -19,7 +19,6 @@ from agents.runtime import Runtime
 from pipeline.admin import changelog_config
 from pipeline.app import create_app
 from pipeline.cache import AnswerCache
-from pipeline.compat import forget_read_offsets
 from pipeline.metrics import GpuSampler, create_metrics
 from pipeline.records import now_ms
 from pipeline.replybook import ReplyBook
@@ -100,11 +99,7 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
         await life.on_revoked(revoked)
 
     @app.on_partitions_assigned.connect
-    async def forget_stale_reads(app: faust.App, assigned: set[Any], **_: Any) -> None:
-        # a record read before the rebalance is read again from the committed offset
-        held = forget_read_offsets(app.consumer, assigned)
-        if held:
-            log.warning("rebalance: forgot %d stale read offsets", held)
+    async def seek_sources(app: faust.App, assigned: set[Any], **_: Any) -> None:
         # every source partition starts at its committed offset, else the log start (agents/acks.py)
         rt.acker.keep_only(assigned)
         await rt.acker.seek_to_starts([tp for tp in assigned if tp.topic in life.source_topics])

@@ -9,6 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
+from pipeline.bench import SCENARIOS
 from pipeline.exceptions import SurgeError
 from pipeline.terms import PRIORITIES, TIERS, Priority, Tier
 
@@ -264,17 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks against baselines, on the embedded broker")
     b.add_argument(
         "scenario",
-        choices=[
-            "batching",
-            "merging",
-            "priority",
-            "overhead",
-            "gateway",
-            "surge",
-            "failover",
-            "risk",
-            "replay",
-        ],
+        choices=SCENARIOS,
     )
     b.add_argument("--quick", action="store_true", help="a small run (what the tests use)")
     b.add_argument("--json", default=None)

@@ -74,22 +74,6 @@ async def refresh_metadata(consumer: AIOKafkaConsumer) -> None:
     await client.force_metadata_update()
 
 
-def forget_read_offsets(consumer: Any, tps: Any) -> int:
-    """Forget Faust's read offsets of ``tps``; returns how many it held. Called on every assignment.
-
-    Why: when a rebalance suspends the fetcher while it waits to hand a record at offset X to a full
-    stream buffer, the fetcher records X as read after Faust already cleared the read offsets of the
-    revoked partitions. The next generation then drops every record up to X as "already read" while
-    committing what follows: records lost. Private: ``Consumer._read_offset``.
-    """
-    read_offset = consumer._read_offset
-    held = 0
-    for tp in list(tps):
-        if read_offset.pop(tp, None) is not None:
-            held += 1
-    return held
-
-
 class SourceBlindReadOffsets(MutableMapping[Any, Any]):
     """Faust's per-partition read offsets, kept for every topic except the agents' source topics.
 
