@@ -364,10 +364,11 @@ class Inference:
                             items[i].inp = replace(items[i].inp, vector=vecs[row])
             done: list[Outcome] = []
             templated: list[Pending] = []
-            for it in items:
+            found = await self._lookups(items)
+            for it, hit in zip(items, found, strict=True):
                 try:
                     with event_context(it.event):
-                        self._route(it, done, templated)
+                        self._route(it, hit, done, templated)
                 except Exception as exc:
                     log.exception("routing %s failed", it.req_id)
                     done.append(Outcome.error(it, SurgeError(f"internal error: {type(exc).__name__}")))
@@ -382,18 +383,46 @@ class Inference:
             self.embedder is None or is_embeddable(it.inp.text, self.embedder.multilingual)
         )
 
-    def _route(self, it: Pending, done: list[Outcome], templated: list[Pending]) -> None:
+    def _lookup_all(self, items: list[Pending]) -> list[tuple[CachedAnswer, float] | None]:
+        """The cached answer for each item, exact else semantic (None where there is none or the
+        item may not use the cache). Runs in the embedding thread: the vector search and the merge
+        decision stay off the event loop; the cache writes no store here (docs/architecture.md,
+        "Semantic dedup")."""
+        s = self.rt.settings
+        out: list[tuple[CachedAnswer, float] | None] = []
+        for it in items:
+            if not (s.cache_enabled and it.work.request.cache and self.cache is not None):
+                out.append(None)
+                continue
+            assert it.cache_key is not None
+            # semantic_cache_enabled off: exact hits only (a replay's default, docs/architecture.md, "Replay")
+            decision = self.decision if s.semantic_cache_enabled else None
+            vector = it.vector if self._semantic_ok(it) else None
+            out.append(self.cache.lookup(it.cache_key, it.scope, vector, it.inp.text, decision))
+        return out
+
+    async def _lookups(self, items: list[Pending]) -> list[tuple[CachedAnswer, float] | None]:
+        if self.cache is None or not self.rt.settings.cache_enabled:
+            return [None] * len(items)
+        loop = asyncio.get_running_loop()
+        try:
+            found = await loop.run_in_executor(self.embed_pool, self._lookup_all, items)
+        except Exception:
+            log.exception("cache lookups of %d questions failed; they go on uncached", len(items))
+            return [None] * len(items)
+        self.cache.drop_expired()
+        return found
+
+    def _route(
+        self,
+        it: Pending,
+        found: tuple[CachedAnswer, float] | None,
+        done: list[Outcome],
+        templated: list[Pending],
+    ) -> None:
         s, m = self.rt.settings, self.rt.metrics
         req = it.work.request
         if s.cache_enabled and req.cache and self.cache is not None:
-            assert it.cache_key is not None
-            hit = self.cache.get_exact(it.cache_key)
-            # semantic_cache_enabled off: exact hits only (a replay's default, docs/architecture.md, "Replay")
-            if hit is None and s.semantic_cache_enabled:
-                vector = it.vector if self._semantic_ok(it) else None
-                found = self.cache.search(it.scope, vector, text=it.inp.text, decision=self.decision)
-            else:
-                found = (hit, 1.0) if hit is not None else None
             m.cache_lookups.labels(layer="semantic", result="hit" if found else "miss").inc()
             if found is not None:
                 entry, sim = found

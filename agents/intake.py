@@ -8,6 +8,7 @@ produced has been acknowledged by the broker (docs/architecture.md, "The path of
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable
 from typing import Any
@@ -16,10 +17,12 @@ import faust
 from faust.types import EventT
 
 from agents.runtime import Runtime
+from pipeline.app import table_store_options
 from pipeline.cache import AnswerCache
+from pipeline.compat import scan_partition
 from pipeline.exceptions import DeadlineExceededError, InvalidRequestError, RateLimitedError
 from pipeline.keys import cache_key, request_scope
-from pipeline.ratelimit import RateLimitConfig, RateLimiter, TierLimits
+from pipeline.ratelimit import RateLimitConfig, RateLimiter, SweepSchedule, TierLimits
 from pipeline.records import (
     InferenceReply,
     InferenceRequest,
@@ -82,6 +85,9 @@ class Intake:
         )
         self.cache = cache
         self.model_version = model_version
+        self.table = ratelimit_table
+        self.sweeps = SweepSchedule()
+        self.swept = 0
 
     async def handle(self, stream: faust.StreamT, event: EventT) -> None:
         """Process one record; its ack follows once its outputs are on the broker."""
@@ -123,6 +129,26 @@ class Intake:
             return
         futures.append(await self._decide(req, reply_to, event))
         rt.acker.ack_after([ticket], futures)
+        if s.rate_limit_enabled and self.sweeps.due(msg.partition):
+            self.sweep(msg.partition, now_ms())
+
+    def sweep(self, partition: int, now: float) -> int:
+        """Delete the idle (full again) buckets among the next keys of ``partition``'s rate-limit
+        store; called during a record of that partition (its changelog tombstones go there)."""
+        chunk = scan_partition(self.table, partition, self.sweeps.cursor(partition), self.sweeps.keys)
+        self.sweeps.moved(partition, chunk[-1][0] if chunk else None, len(chunk))
+        gone = 0
+        for raw_key, raw_value in chunk:
+            try:
+                key, value = json.loads(raw_key), json.loads(raw_value) if raw_value else None
+            except ValueError:
+                continue
+            if isinstance(key, str) and (value is None or isinstance(value, dict)):
+                if self.limiter.forgettable(key, value, now):
+                    self.table.pop(key, None)
+                    gone += 1
+        self.swept += gone
+        return gone
 
     async def _decide(self, req: InferenceRequest, reply_to: str, event: EventT) -> Awaitable[Any]:
         """Refuse, answer from the cache, or forward one valid request."""
@@ -185,6 +211,7 @@ def register(rt: Runtime, cache: AnswerCache | None, model_version: str) -> Inta
     table = rt.app.Table(
         "ratelimit", default=None, partitions=rt.settings.partitions,
         schema=faust.Schema(key_serializer="json", value_serializer="json"),
+        options=table_store_options(rt.settings),
     )  # fmt: skip
     intake = Intake(rt, table, cache, model_version)
 

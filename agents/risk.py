@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from agents.runtime import Runtime, event_context
 from pipeline.admin import ensure_topics
-from pipeline.app import create_app
+from pipeline.app import create_app, table_store_options
 from pipeline.compat import refresh_metadata
 from pipeline.kafka_security import client_options
 from pipeline.metrics import create_metrics
@@ -169,6 +169,7 @@ class RiskAgents:
                 # table's value serializer from its value type, not from the schema)
                 value_type=bytes,
                 schema=faust.Schema(key_serializer="json", value_serializer="raw"),
+                options=table_store_options(s),
             )
             self.tables[kind] = table
             cache = self.caches[kind] = StateCache(s.risk_feature_cache_entries)

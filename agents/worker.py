@@ -17,7 +17,7 @@ from agents import intake as intake_agent
 from agents.lifecycle import Lifecycle
 from agents.runtime import Runtime
 from pipeline.admin import changelog_config
-from pipeline.app import create_app
+from pipeline.app import create_app, table_store_options
 from pipeline.cache import AnswerCache
 from pipeline.metrics import GpuSampler, create_metrics
 from pipeline.records import now_ms
@@ -56,7 +56,7 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
     answers = app.GlobalTable(
         "answers", default=None, partitions=settings.partitions, use_partitioner=True,
         schema=faust.Schema(key_serializer="json", value_serializer="json"),
-        on_changelog_event=learn_answer,
+        on_changelog_event=learn_answer, options=table_store_options(settings),
     )  # fmt: skip
     cache = (
         AnswerCache(
@@ -69,13 +69,15 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
         "replybook", default=None, partitions=settings.partitions, use_partitioner=True,
         schema=faust.Schema(key_serializer="json", value_serializer="json"),
         extra_topic_configs=changelog_config(settings, f"{settings.app_id}-replybook-changelog"),
+        options=table_store_options(settings),
     )  # fmt: skip
     rt.book = ReplyBook(replybook, ttl_ms=settings.reply_record_ttl_s * 1000, clock_ms=now_ms)
     from models.registry import build_model
 
     model = build_model(settings)
+    intake = None
     if settings.role in ("intake", "all"):
-        intake_agent.register(rt, cache, model.peek_version())
+        intake = intake_agent.register(rt, cache, model.peek_version())
     if settings.role in ("inference", "all"):
         from models.embedder import shared_embedder
         from models.template import build_template
@@ -137,6 +139,10 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
         body: dict[str, object] = {"role": settings.role, "assigned": len(app.consumer.assignment())}
         if inf is not None:
             body.update(inf.status())
+        if intake is not None:
+            body["ratelimit_buckets_swept"] = intake.swept
+        if cache is not None:
+            body["cache"] = cache.stats()
         return web.json(body)
 
     @app.page("/healthz")

@@ -49,6 +49,23 @@ def faust_credentials(settings: Settings) -> CredentialsT | None:
     return None
 
 
+def table_store_options(settings: Settings) -> dict[str, Any]:
+    """RocksDB options of every surge table partition (a Faust ``Table(options=...)``).
+
+    Faust's defaults (a 64 MiB write buffer, three of them, and a 2 GiB block cache per partition)
+    let a worker's memory follow whatever clients write: with these, each partition store holds at
+    most ``2 * table_write_buffer_mb + table_block_cache_mb`` MiB (docs/architecture.md, "Security").
+    A fresh dict per call: Faust's store pops keys from the one it is given.
+    """
+    mb = 1024 * 1024
+    return {
+        "write_buffer_size": settings.table_write_buffer_mb * mb,
+        "max_write_buffer_number": 2,
+        "block_cache_size": settings.table_block_cache_mb * mb,
+        "block_cache_compressed_size": settings.table_block_cache_mb * mb,
+    }
+
+
 def create_app(settings: Settings) -> faust.App:
     """A Faust app with RocksDB tables, the configured broker and at-least-once commits after acks."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)

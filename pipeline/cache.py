@@ -6,6 +6,11 @@ dict. Entries expire after ``ttl_s``; beyond ``max_entries`` the least recently 
 Recency is tracked in memory per worker (a read must not write to the changelog); creation time
 lives in the entry, so TTL holds across workers and restarts.
 
+Lookups may run in a worker thread (:meth:`AnswerCache.lookup`: the inference agent searches a whole
+embedding batch off the event loop): every method holds one lock, and a lookup never writes the
+store — an expired entry it meets is forgotten in memory and deleted later by :meth:`drop_expired`,
+on the thread that owns the store.
+
 The semantic layer can accept a cached answer by the same merge decision live merging uses
 (:mod:`pipeline.pairs`, see docs/architecture.md "Semantic dedup"): candidates come from the vector
 index (cosine at least the decision's floor) and, for Chinese questions, which MiniLM cannot embed,
@@ -14,7 +19,8 @@ from a lexical index of character bigrams.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import threading
+from collections import OrderedDict, deque
 from collections.abc import Callable, MutableMapping
 from dataclasses import asdict, dataclass
 
@@ -71,21 +77,58 @@ class AnswerCache:
         # Chinese questions: scope -> bigram -> keys, and key -> (scope, bigrams)
         self._lexical: dict[str, dict[str, set[str]]] = {}
         self._lexical_keys: dict[str, tuple[str, frozenset[str]]] = {}
+        #: one lock for every method: lookups run in a worker thread, writes on the event loop
+        self._lock = threading.RLock()
+        #: expired keys a lookup met (it never writes the store); deleted by drop_expired()
+        self._expired: deque[str] = deque()
 
     def _fresh(self, entry: CachedAnswer, now: float) -> bool:
         return now - entry.created_ms < self.ttl_ms
 
     def get_exact(self, key: str) -> CachedAnswer | None:
-        """Called by intake (and inference) before forwarding: a fresh answer stored under ``key``."""
+        """Called by intake before forwarding: a fresh answer stored under ``key``."""
+        with self._lock:
+            return self._get(key, write=True)
+
+    def _get(self, key: str, *, write: bool) -> CachedAnswer | None:
         raw = self.store.get(key)
         if raw is None:
             return None
         entry = CachedAnswer.from_dict(raw)
         if not self._fresh(entry, self.clock_ms()):
-            self._drop(key, entry)
+            if write:
+                self._drop(key, entry)
+            else:  # forgotten now, deleted from the store by drop_expired()
+                self._forget(entry.scope, key)
+                self._expired.append(key)
             return None
         self._touch(key)
         return entry
+
+    def lookup(
+        self, key: str, scope: str, vector: np.ndarray | None, text: str, decision: MergeDecision | None
+    ) -> tuple[CachedAnswer, float] | None:
+        """The exact answer under ``key``, else (with ``decision``) the best semantic match in
+        ``scope``; similarity 1.0 for an exact hit. Safe in a worker thread: it writes no store."""
+        with self._lock:
+            hit = self._get(key, write=False)
+            if hit is not None:
+                return hit, 1.0
+            if decision is None:
+                return None
+            return self._decide(scope, vector, text, decision, None, write=False)
+
+    def drop_expired(self) -> int:
+        """Delete from the store the expired entries lookups met; called on the store's thread."""
+        n = 0
+        with self._lock:
+            while self._expired:
+                key = self._expired.popleft()
+                raw = self.store.get(key)
+                if raw is not None and not self._fresh(CachedAnswer.from_dict(raw), self.clock_ms()):
+                    self._drop(key)
+                    n += 1
+        return n
 
     def search(
         self,
@@ -108,15 +151,25 @@ class AnswerCache:
         Expired entries and entries another worker deleted are dropped from the index on the way,
         so they never shadow a usable match.
         """
-        if decision is not None and text is not None:
-            return self._decide(scope, vector, text, decision, accept)
+        with self._lock:
+            if decision is not None and text is not None:
+                return self._decide(scope, vector, text, decision, accept)
+            return self._search(scope, vector, threshold, accept)
+
+    def _search(
+        self,
+        scope: str,
+        vector: np.ndarray | None,
+        threshold: float | None,
+        accept: Callable[[CachedAnswer], bool] | None,
+    ) -> tuple[CachedAnswer, float] | None:
         if self.index is None or vector is None or threshold is None:
             return None
         found: dict[str, CachedAnswer] = {}
         stale: list[str] = []
 
         def usable(key: str) -> bool:
-            entry = self.get_exact(key)
+            entry = self._get(key, write=True)
             if entry is None:
                 stale.append(key)
                 return False
@@ -153,6 +206,8 @@ class AnswerCache:
         text: str,
         decision: MergeDecision,
         accept: Callable[[CachedAnswer], bool] | None,
+        *,
+        write: bool = True,
     ) -> tuple[CachedAnswer, float] | None:
         cands: dict[str, float | None] = {}
         if vector is not None and self.index is not None:
@@ -162,7 +217,7 @@ class AnswerCache:
         best: tuple[float, str, CachedAnswer, float] | None = None
         stale: list[str] = []
         for key, cos in cands.items():
-            entry = self.get_exact(key)
+            entry = self._get(key, write=write)
             if entry is None:
                 stale.append(key)
                 continue
@@ -217,27 +272,29 @@ class AnswerCache:
 
     def put(self, key: str, entry: CachedAnswer) -> None:
         """Called by inference after a model answer: store it and index its question's vector."""
-        self.store[key] = entry.to_dict()
-        self._index(key, entry)
-        self._touch(key)
-        self._evict()
+        with self._lock:
+            self.store[key] = entry.to_dict()
+            self._index(key, entry)
+            self._touch(key)
+            self._evict()
 
     def sync(self) -> int:
         """Index entries other workers wrote (read from the shared store); returns how many were new."""
-        added = 0
-        now = self.clock_ms()
-        for key, raw in list(self.store.items()):
-            known = key in self._lru
-            if key in self._indexed or key in self._lexical_keys or (known and raw.get("vector") is None):
-                continue
-            entry = CachedAnswer.from_dict(raw)
-            if self._fresh(entry, now):
-                self._index(key, entry)
-                if not known:
-                    self._lru[key] = None
-                    self._lru.move_to_end(key, last=False)  # unknown recency: evict these first
-                added += 1
-        return added
+        with self._lock:
+            added = 0
+            now = self.clock_ms()
+            for key, raw in list(self.store.items()):
+                known = key in self._lru
+                if key in self._indexed or key in self._lexical_keys or (known and raw.get("vector") is None):
+                    continue
+                entry = CachedAnswer.from_dict(raw)
+                if self._fresh(entry, now):
+                    self._index(key, entry)
+                    if not known:
+                        self._lru[key] = None
+                        self._lru.move_to_end(key, last=False)  # unknown recency: evict these first
+                    added += 1
+            return added
 
     def learn(self, key: str, raw: dict[str, object] | None) -> bool:
         """Index one entry another worker wrote, as its changelog record arrives (None: deleted).
@@ -245,6 +302,10 @@ class AnswerCache:
         Called for each changelog event of the store, so that the semantic layer follows other
         workers' answers without re-reading the whole store; returns whether it was indexed.
         """
+        with self._lock:
+            return self._learn(key, raw)
+
+    def _learn(self, key: str, raw: dict[str, object] | None) -> bool:
         if raw is None:
             self._unindex(key)
             self._lru.pop(key, None)
@@ -282,6 +343,15 @@ class AnswerCache:
     def __len__(self) -> int:
         return len(self._lru)
 
+    def stats(self) -> dict[str, int]:
+        """What a worker's /status shows: entries known, vectors indexed, scopes with vectors."""
+        with self._lock:
+            return {
+                "entries": len(self._lru),
+                "indexed": len(self._indexed),
+                "scopes": self.index.scopes() if self.index is not None else 0,
+            }
+
     def _index(self, key: str, entry: CachedAnswer) -> None:
         self._index_lexical(key, entry)
         if entry.vector is not None and key not in self._indexed:
@@ -300,8 +370,8 @@ class AnswerCache:
         self._unindex_lexical(key)
         if key in self._indexed:
             self._indexed.discard(key)
-            self._scope_of.pop(key, None)
-            scope = entry.scope if entry else None
+            known = self._scope_of.pop(key, None)
+            scope = entry.scope if entry else known
             if scope is not None and self.index is not None:
                 self.index.remove(scope, key)
         if key in self.store:

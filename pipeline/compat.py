@@ -132,3 +132,23 @@ async def commit_offsets(consumer: Any, offsets: Mapping[Any, int]) -> bool:
     """
     commit: Any = consumer._commit
     return bool(await commit(dict(offsets)))
+
+
+def scan_partition(table: Any, partition: int, after: bytes | None, limit: int) -> list[tuple[bytes, bytes]]:
+    """Up to ``limit`` raw (key, value) pairs of ``table``'s local RocksDB store for ``partition``,
+    in key order, starting after the key ``after`` (None: from the first). Empty when this worker
+    holds no store for the partition. Faust offers no per-partition iteration; private:
+    ``faust.stores.rocksdb.Store._dbs`` (rocksdict ``Rdict.items(from_key=...)``).
+    """
+    dbs: Mapping[int, Any] = getattr(table.data, "_dbs", {})
+    db = dbs.get(partition)
+    if db is None:
+        return []
+    out: list[tuple[bytes, bytes]] = []
+    for key, value in db.items(from_key=after) if after is not None else db.items():
+        if after is not None and key == after:
+            continue
+        out.append((key, value))
+        if len(out) >= limit:
+            break
+    return out

@@ -143,7 +143,11 @@ def _normalize_once(text: str) -> str:
     return " ".join(kept) if kept else text
 
 
-@lru_cache(maxsize=65536)
+#: texts whose normal form is kept (about 0.3 KB each): a bound on memory, not only on time
+NORMALIZE_CACHE = 16_384
+
+
+@lru_cache(maxsize=NORMALIZE_CACHE)
 def normalize(text: str) -> str:
     """Normalise ``text`` for exact matching: NFKC, casefold, no punctuation, single spaces, no fillers.
 
@@ -307,7 +311,9 @@ class SemanticIndex:
     The inference agent calls :meth:`search` for each newly embedded item (before merging), and
     :meth:`add` when a model answer is stored in the cache; :meth:`remove` when the cache entry
     expires. Each scope holds at most ``max_per_scope`` vectors; adding beyond that evicts the
-    least recently used (added or hit) one. Pure numpy: a brute-force matrix product, which at
+    least recently used (added or hit) one. A scope's matrix starts at one row and doubles as it
+    fills, so many small scopes (one per tenant, conversation context and parameters) cost about
+    their vectors, not a pre-allocated block each. Pure numpy: a brute-force matrix product, which at
     10k x 384 float32 costs about a millisecond.
     """
 
@@ -331,6 +337,10 @@ class SemanticIndex:
     def __len__(self) -> int:
         return sum(len(rows) for rows in self._rows.values())
 
+    def scopes(self) -> int:
+        """Number of scopes holding vectors."""
+        return len(self._rows)
+
     def size(self, scope: str) -> int:
         """Number of vectors held for ``scope``."""
         return len(self._rows.get(scope, ()))
@@ -346,7 +356,7 @@ class SemanticIndex:
         keys = self._keys.setdefault(scope, [])
         matrix = self._matrix.get(scope)
         if matrix is None:
-            matrix = self._matrix[scope] = np.zeros((min(4, self.max_per_scope), self.dim), dtype=np.float32)
+            matrix = self._matrix[scope] = np.zeros((1, self.dim), dtype=np.float32)
         if key in rows:
             matrix[rows[key]] = v
             rows.move_to_end(key)
@@ -358,9 +368,7 @@ class SemanticIndex:
             # removing the last vector drops the scope's structures: take them anew
             rows = self._rows.setdefault(scope, OrderedDict())
             keys = self._keys.setdefault(scope, [])
-            matrix = self._matrix.setdefault(
-                scope, np.zeros((min(4, self.max_per_scope), self.dim), dtype=np.float32)
-            )
+            matrix = self._matrix.setdefault(scope, np.zeros((1, self.dim), dtype=np.float32))
         n = len(keys)
         if n == matrix.shape[0]:
             grown = np.zeros((min(2 * n, self.max_per_scope), self.dim), dtype=np.float32)

@@ -405,7 +405,12 @@ def _is_reference(token: str) -> bool:
     return not (_NUMBER_UNIT_RE.match(token) or _SHORT_PREFIXED_RE.match(token))
 
 
-@lru_cache(maxsize=65536)
+#: texts whose guard features are kept (about 3 KB each, so about 25 MiB in all): every distinct
+#: question a client sends passes through here, so the bound is on memory as much as on time
+FEATURES_CACHE = 8_192
+
+
+@lru_cache(maxsize=FEATURES_CACHE)
 def features(text: str) -> GuardFeatures:
     """Extract the guard's features of ``text``; cached, since a leader is compared many times."""
     prepared = _prepare(text)

@@ -455,7 +455,7 @@ class LearnedDecision:
     ``cosine_fallback``: with an embedder other than the one the English head was trained with, its
     cosines mean something else; give the plain threshold for it here and embedded pairs fall back to
     :class:`ThresholdDecision` (the Chinese head reads characters and keeps working).
-    ``profile_cache``: how many texts' profiles are kept (about 10 KB each; the open leaders and the
+    ``profile_cache``: how many texts' profiles are kept (about 18 KB each, so about 36 MiB; the open leaders and the
     cache's candidates are what is read again).
     """
 
@@ -467,7 +467,7 @@ class LearnedDecision:
         idf: IdfTable,
         meta: Mapping[str, Any] | None = None,
         cosine_fallback: float | None = None,
-        profile_cache: int = 4096,
+        profile_cache: int = 2048,
     ) -> None:
         self.heads = dict(heads)
         self.idf = idf

@@ -208,6 +208,28 @@ class RateLimiter:
         n = self.tenant_shards
         return TierLimits(rate_per_s=limits.rate_per_s / n, burst=max(1.0, limits.burst / n))
 
+    def full_after_ms(self, key: str) -> float:
+        """How long a bucket under ``key`` takes to refill from empty: after that long without a
+        request it is full whatever its tier, and a full bucket is the same as no bucket."""
+        if key.startswith("tenant:"):
+            tenant = key[len("tenant:") :].rsplit("#", 1)[0] if self.tenant_shards > 1 else key[7:]
+            limits = self._tenant_shard_limits(tenant)
+            return limits.burst / limits.rate_per_s * 1000.0
+        return max(lim.burst / lim.rate_per_s for lim in self.config.users.values()) * 1000.0
+
+    def forgettable(self, key: str, raw: Mapping[str, Any] | None, now_ms: float) -> bool:
+        """Whether the stored bucket ``raw`` under ``key`` may be deleted at ``now_ms``: it has been
+        idle long enough to be full again (deleting it changes no decision), or it is malformed.
+        Entries are otherwise never removed, so without this a stream of new user ids grows the
+        table without bound (the intake agent sweeps with it, docs/architecture.md "Security")."""
+        if raw is None:
+            return True
+        try:
+            state = BucketState.from_dict(raw)
+        except ValueError:
+            return True
+        return now_ms - state.updated_ms >= self.full_after_ms(key)
+
     def _load(self, key: str) -> BucketState | None:
         raw = self.state.get(key)
         return None if raw is None else BucketState.from_dict(raw)
@@ -238,3 +260,33 @@ class RateLimiter:
             )
         self.state[ukey] = user.state.to_dict()
         self.state[tkey] = tenant_result.state.to_dict()
+
+
+@dataclass
+class SweepSchedule:
+    """When and where the intake agent looks for forgettable buckets, per partition.
+
+    Every ``every`` records of a partition, :meth:`due` says yes and the agent examines the next
+    ``keys`` entries of that partition's store from :meth:`cursor`, then reports with :meth:`moved`;
+    a short scan means the end was reached, and the next starts from the first key again. So the
+    table is swept at ``keys / every`` entries per request: new user ids cannot outgrow it.
+    """
+
+    every: int = 32
+    keys: int = 96
+    _count: dict[int, int] = field(default_factory=dict)
+    _cursor: dict[int, bytes | None] = field(default_factory=dict)
+
+    def due(self, partition: int) -> bool:
+        """Called for each record of ``partition``: whether to sweep now."""
+        n = self._count.get(partition, 0) + 1
+        self._count[partition] = n
+        return n % self.every == 0
+
+    def cursor(self, partition: int) -> bytes | None:
+        """The store key the next scan starts after (None: from the first)."""
+        return self._cursor.get(partition)
+
+    def moved(self, partition: int, last: bytes | None, scanned: int) -> None:
+        """A scan of ``scanned`` entries ended at ``last``."""
+        self._cursor[partition] = last if scanned >= self.keys else None

@@ -59,6 +59,16 @@ class Settings(BaseSettings):
     stream_buffer_max_records: int = Field(
         256, ge=1, description="records Faust buffers per partition before pausing its fetch (backpressure)"
     )
+    table_write_buffer_mb: int = Field(
+        4,
+        ge=1,
+        le=1024,
+        description="RocksDB write buffer of each table partition, MiB (two per partition at most): with "
+        "the block cache, what bounds a worker's table memory however many keys clients create",
+    )
+    table_block_cache_mb: int = Field(
+        8, ge=1, le=65536, description="RocksDB block cache of each table partition, MiB"
+    )
     web_port: int = Field(6066, ge=0, le=65535, description="worker web port serving /metrics")
     role: Literal["intake", "inference", "all", "risk"] = Field(
         "all", description="which agents this worker runs (all: intake and inference; risk: the risk path)"

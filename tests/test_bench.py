@@ -102,6 +102,7 @@ def test_unknown_scenario_is_refused() -> None:
         "failover",
         "risk",
         "replay",
+        "hostile",
     )
 
 
@@ -116,6 +117,23 @@ def test_overhead_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
         _sane_latency(a["latency_idle"])
     assert r["throughput_ratio_surge_vs_plain"] > 0
     assert r["added_p50_latency_ms"] is not None
+
+
+@pytest.mark.integration
+def test_hostile_quick_state_stays_bounded(kafka: EmbeddedKafka, tmp_path: Path) -> None:
+    """Requests built to grow a worker's state (random model names, new users, system messages and
+    tenants): each gets one reply, idle rate-limit buckets are swept, many one-answer scopes cost
+    little, and the worker's memory stays under the bound the benchmark states."""
+    r = _run("hostile", kafka, tmp_path)
+    n = r["plan"]["requests"]
+    assert r["answered"] == n and r["repeats"] == 0
+    assert r["codes"]["invalid_request"] == n * 4 // 10, "every random model name is refused"
+    assert r["codes"]["ok"] == n * 6 // 10
+    status = r["status"]
+    assert status["ratelimit_buckets_swept"] > 0, "idle buckets of one-off users are deleted"
+    assert status["cache"]["scopes"] > n // 10, "new system messages and tenants made scopes"
+    rss = r["rss_mib"]
+    assert rss["start"] > 100 and rss["peak"] <= rss["stated_bound"]
 
 
 @pytest.mark.integration

@@ -261,3 +261,92 @@ def test_an_entry_kept_by_the_lru_stays_searchable() -> None:
     assert sorted(store) == ["a", "c"]
     hit = cache.search(SCOPE_A, E1, 0.9)  # a is still cached, so it must still be found
     assert hit is not None and hit[0].request_id == "req-a"
+
+
+# ---- lookups off the event loop (the inference agent runs them in its embedding thread) ------------
+def test_lookup_prefers_the_exact_answer_then_the_decision() -> None:
+    from pipeline.pairs import ThresholdDecision
+
+    cache, _, clock = make()
+    cache.put("a", answer("a", clock=clock, vector=E1, text="how do I reset my card pin"))
+    hit = cache.lookup("a", SCOPE_A, E2, "unrelated", ThresholdDecision(0.9))
+    assert hit is not None and hit[0].request_id == "req-a" and hit[1] == 1.0
+    near = unit(1.0, 0.05, 0.0, 0.0)
+    hit = cache.lookup(
+        "other-key", SCOPE_A, near, "how do I reset my card pin please", ThresholdDecision(0.9)
+    )
+    assert hit is not None and hit[0].request_id == "req-a" and hit[1] > 0.99
+    assert cache.lookup("other-key", SCOPE_A, near, "how do I reset my card pin please", None) is None
+    assert (
+        cache.lookup("other-key", SCOPE_B, near, "how do I reset my card pin please", ThresholdDecision(0.9))
+        is None
+    )
+
+
+def test_a_lookup_never_writes_the_store_and_expired_entries_are_dropped_later() -> None:
+    from pipeline.pairs import ThresholdDecision
+
+    cache, store, clock = make(ttl_s=1.0)
+    cache.put("a", answer("a", clock=clock, vector=E1, text="how do I reset my card pin"))
+    clock.advance(2_000)
+    assert cache.lookup("a", SCOPE_A, E1, "how do I reset my card pin", ThresholdDecision(0.9)) is None
+    assert "a" in store, "a lookup (in a worker thread) must not write the store"
+    assert len(cache) == 0 and cache.index is not None and cache.index.size(SCOPE_A) == 0
+    assert cache.drop_expired() == 1
+    assert "a" not in store
+    assert cache.drop_expired() == 0
+
+
+def test_lookups_in_a_thread_while_the_loop_writes() -> None:
+    """A thread searching while another stores, learns and evicts: no error, every hit is a real
+    entry of the scope asked (the lock keeps the index consistent)."""
+    import threading
+
+    from pipeline.pairs import ThresholdDecision
+
+    cache, _, clock = make(max_entries=64)
+    rng = np.random.default_rng(7)
+    vecs = rng.normal(size=(400, 4)).astype(np.float32)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def search() -> None:
+        try:
+            i = 0
+            while not stop.is_set():
+                v = vecs[i % len(vecs)]
+                hit = cache.lookup(
+                    f"k{i}", SCOPE_A, v / np.linalg.norm(v), f"question k{i}", ThresholdDecision(0.5)
+                )
+                assert hit is None or hit[0].scope == SCOPE_A
+                i += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=search)
+    t.start()
+    try:
+        for i, v in enumerate(vecs):
+            scope = SCOPE_A if i % 2 else SCOPE_B
+            cache.put(f"p{i}", answer(f"p{i}", clock=clock, scope=scope, vector=v / np.linalg.norm(v)))
+            cache.learn(
+                f"l{i}", answer(f"l{i}", clock=clock, scope=scope, vector=v / np.linalg.norm(v)).to_dict()
+            )
+    finally:
+        stop.set()
+        t.join(10)
+    assert not errors, errors
+    assert len(cache) <= 64
+
+
+def test_many_small_scopes_cost_about_their_vectors() -> None:
+    """Each conversation context or tenant is a scope: one answer per scope must not pre-allocate a
+    block of rows (a stream of unique system prompts would otherwise grow a worker several-fold)."""
+    from pipeline.dedup import SemanticIndex
+
+    idx = SemanticIndex(dim=384, max_per_scope=10_000)
+    rng = np.random.default_rng(1)
+    for i in range(2_000):
+        idx.add(f"scope-{i}", f"k{i}", rng.normal(size=384).astype(np.float32))
+    held = sum(m.nbytes for m in idx._matrix.values())
+    assert held == 2_000 * 384 * 4

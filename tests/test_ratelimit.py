@@ -199,3 +199,68 @@ def test_sharded_tenant_buckets_sum_to_the_tenant_limit() -> None:
             )  # the configured, not the per-shard, limit
     assert admitted == 160
     assert {k for k in table if k.startswith("tenant:")} == {f"tenant:acme#{s}" for s in range(8)}
+
+
+# ---- forgetting idle buckets (a stream of new user ids must not grow the table forever) ----------
+@settings(max_examples=200, deadline=None)
+@given(
+    tier=st.sampled_from(["free", "standard", "premium"]),
+    gaps_ms=st.lists(st.floats(min_value=0.0, max_value=8_000.0), min_size=1, max_size=40),
+    later_ms=st.floats(min_value=0.0, max_value=20_000.0),
+)
+def test_forgetting_a_forgettable_bucket_changes_no_decision(
+    tier: str, gaps_ms: list[float], later_ms: float
+) -> None:
+    """Whenever forgettable() says a bucket may go, a limiter that dropped it and one that kept it
+    decide every later request alike."""
+    kept: dict = {}
+    forgot: dict = {}
+    a, b = RateLimiter(RateLimitConfig(), kept), RateLimiter(RateLimitConfig(), forgot)
+    now = 1_000_000.0
+    for gap in gaps_ms:
+        now += gap
+        for lim, store in ((a, kept), (b, forgot)):
+            for key in list(store):
+                if lim is b and b.forgettable(key, store[key], now):
+                    del store[key]
+        outcomes = []
+        for lim in (a, b):
+            try:
+                lim.check("u1", tier, "t1", now)
+                outcomes.append(True)
+            except RateLimitedError:
+                outcomes.append(False)
+        assert outcomes[0] == outcomes[1]
+    now += later_ms
+    if b.forgettable("user:u1", kept.get("user:u1"), now):
+        # dropped now: the next decision must be what the full bucket gives
+        assert take(BucketState.from_dict(kept["user:u1"]), now, RateLimitConfig().users[tier]).allowed
+
+
+def test_forgettable_needs_the_slowest_tier_to_be_full_again() -> None:
+    lim = RateLimiter(RateLimitConfig(), {})
+    lim.check("u1", "premium", "t1", 0.0)
+    raw = lim.state["user:u1"]
+    slowest_ms = max(t.burst / t.rate_per_s for t in RateLimitConfig().users.values()) * 1000
+    assert not lim.forgettable("user:u1", raw, slowest_ms - 1)
+    assert lim.forgettable("user:u1", raw, slowest_ms)
+    assert lim.forgettable("user:u1", {"tokens": "x"}, 0.0), "a malformed entry goes"
+    shards = RateLimiter(RateLimitConfig(), {}, tenant_shards=8)
+    shards.check("u1", "free", "acme", 0.0, shard=3)
+    t = RateLimitConfig().tenant
+    assert not shards.forgettable(
+        "tenant:acme#3", shards.state["tenant:acme#3"], t.burst / t.rate_per_s * 1000 - 1
+    )
+    assert shards.forgettable("tenant:acme#3", shards.state["tenant:acme#3"], t.burst / t.rate_per_s * 1000)
+
+
+def test_the_sweep_schedule_walks_each_partition_and_wraps() -> None:
+    from pipeline.ratelimit import SweepSchedule
+
+    sched = SweepSchedule(every=3, keys=2)
+    assert [sched.due(0) for _ in range(6)] == [False, False, True, False, False, True]
+    assert sched.cursor(0) is None and not sched.due(1)
+    sched.moved(0, b"k2", 2)
+    assert sched.cursor(0) == b"k2" and sched.cursor(1) is None
+    sched.moved(0, b"k3", 1)  # a short scan reached the end: start again from the first key
+    assert sched.cursor(0) is None

@@ -1,7 +1,8 @@
 """``surge bench SCENARIO``: the real pipeline on the embedded Kafka against its baselines and its limit.
 
 Scenarios (docs/architecture.md, "Performance: how it is measured"), one module each: ``batching``,
-``merging``, ``priority``, ``overhead``, ``gateway``, ``surge``, ``failover``, ``risk``. Each runs all of its arms
+``merging``, ``priority``, ``overhead``, ``gateway``, ``surge``, ``failover``, ``risk``, ``replay``,
+``hostile``. Each runs all of its arms
 in one process run on one broker, interleaved where the arms allow it, and writes a JSON result (ratios,
 latency percentiles, targets with how much they are missed by) and a PNG plot, by default under
 ``bench-results/``.
@@ -23,6 +24,7 @@ SCENARIOS: tuple[str, ...] = (
     "failover",
     "risk",
     "replay",
+    "hostile",
 )
 
 
