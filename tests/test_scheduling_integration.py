@@ -92,6 +92,29 @@ async def test_a_poisoned_request_fails_alone(deployment) -> None:
     assert any((r.timings.batch_size or 0) > 1 for r in good), "the poisoned request shared a batch"
 
 
+async def test_the_followers_of_a_failed_leader_get_its_error_never_silence(deployment) -> None:
+    """Requests merged into a leader whose model call fails each get the leader's error reply: a
+    failed batch closes its leaders, so no follower waits forever."""
+    d = deployment(
+        model="echo", echo_poison="POISON", echo_delay_ms="50", max_wait_ms="300",
+        cache_enabled="false", rate_limit_enabled="false", **RELAXED,
+    )  # fmt: skip
+    d.worker()
+    c = await d.client()
+    futs = [await c.submit(request(f"p{i}", f"user{i}", "please explain the POISON fee")) for i in range(4)]
+    futs.append(await c.submit(request("ok", "other", "an ordinary question about fees")))
+    await c.producer.flush()
+    replies = {r.request_id: r for r in await asyncio.wait_for(asyncio.gather(*futs), 60)}
+    poisoned = [replies[f"r-p{i}"] for i in range(4)]
+    assert all(r.status == "error" and r.error.code == "model_error" for r in poisoned)
+    assert sum(r.merged_into is not None for r in poisoned) == 0, "an error names no leader"
+    assert replies["r-ok"].status == "ok"
+    status = d.workers[0].status()
+    assert status["open_leaders"] == 0 and status["in_flight"] == 0
+    merged = sum(v for (name, _), v in d.metrics().items() if name == "surge_merged_total")
+    assert merged >= 1, "the identical poisoned requests were merged into a leader, not each computed"
+
+
 async def test_overload_degrades_low_classes_to_templates_but_never_realtime(deployment) -> None:
     d = deployment(
         model="faq", max_batch_size="4", base_batch_size="2", degrade_up_queue_depth="[2,4,6]",
