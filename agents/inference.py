@@ -410,7 +410,10 @@ class Inference:
         except Exception:
             log.exception("cache lookups of %d questions failed; they go on uncached", len(items))
             return [None] * len(items)
-        self.cache.drop_expired()
+        try:
+            self.cache.drop_expired()
+        except Exception:  # a cache write failing never costs the batch its answers
+            log.warning("dropping expired cache entries failed", exc_info=True)
         return found
 
     def _route(

@@ -130,7 +130,12 @@ class Intake:
         futures.append(await self._decide(req, reply_to, event))
         rt.acker.ack_after([ticket], futures)
         if s.rate_limit_enabled and self.sweeps.due(msg.partition):
-            self.sweep(msg.partition, now_ms())
+            try:
+                self.sweep(msg.partition, now_ms())
+            except Exception:  # housekeeping: the request is already answered, never fail it now
+                log.warning(
+                    "sweeping rate-limit buckets of partition %d failed", msg.partition, exc_info=True
+                )
 
     def sweep(self, partition: int, now: float) -> int:
         """Delete the idle (full again) buckets among the next keys of ``partition``'s rate-limit
