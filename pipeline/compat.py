@@ -152,3 +152,31 @@ def scan_partition(table: Any, partition: int, after: bytes | None, limit: int) 
         if len(out) >= limit:
             break
     return out
+
+
+def set_fetch_max_wait(max_wait_ms: int) -> None:
+    """Make Faust's worker consumer wait at most ``max_wait_ms`` for data in one fetch.
+
+    Faust creates its aiokafka consumer with ``fetch_max_wait_ms=1500``, hard-coded. aiokafka keeps
+    one fetch request in flight per broker; a record for a partition that was not fetchable when that
+    request was sent (paused by flow control, or its last batch still being handed over) waits for
+    the request to come back, up to the full wait. In a worker whose readers pause and resume their
+    partitions all the time, that put requests in steps of about 1.6 s. Called once, before the
+    worker starts; the consumer reads the value when it starts its fetcher. Private:
+    ``faust.transport.drivers.aiokafka.AIOKafkaConsumerThread._create_worker_consumer`` and
+    ``aiokafka.AIOKafkaConsumer._fetch_max_wait_ms``.
+    """
+    from faust.transport.drivers import aiokafka as driver
+
+    thread_cls: Any = driver.AIOKafkaConsumerThread
+    original = getattr(thread_cls, "_surge_original_create_worker_consumer", None)
+    if original is None:
+        original = thread_cls._create_worker_consumer
+        thread_cls._surge_original_create_worker_consumer = original
+
+    def create(self: Any, transport: Any) -> AIOKafkaConsumer:
+        consumer = original(self, transport)
+        consumer._fetch_max_wait_ms = max_wait_ms
+        return consumer
+
+    thread_cls._create_worker_consumer = create

@@ -55,6 +55,13 @@ class Settings(BaseSettings):
     commit_interval_ms: int = Field(
         500, ge=50, le=60_000, description="how often acked offsets are committed"
     )
+    fetch_max_wait_ms: int = Field(
+        50,
+        ge=1,
+        le=10_000,
+        description="longest one fetch of the worker's consumer waits for data, ms (Faust's own 1500 put "
+        "requests in steps of about 1.6 s whenever readers paused and resumed their partitions)",
+    )
     data_dir: Path = Field(Path(".surge-data"), description="folder of the RocksDB table stores")
     stream_buffer_max_records: int = Field(
         256, ge=1, description="records Faust buffers per partition before pausing its fetch (backpressure)"

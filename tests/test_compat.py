@@ -137,3 +137,22 @@ async def test_blind_read_offsets_ignore_source_topics_only() -> None:
     blind.pop(src, None)
     blind.pop(other, None)
     assert blind[other] is None and len(blind) == 0
+
+
+async def test_the_worker_consumer_waits_at_most_the_fetch_wait_asked() -> None:
+    """Faust hard-codes fetch_max_wait_ms=1500 for its worker consumer; surge lowers it (a record on a
+    partition resumed while a fetch was in flight waited for that fetch, up to 1.5 s)."""
+    app = faust.App(f"fetch-{uuid.uuid4().hex[:6]}", broker="kafka://127.0.0.1:1")
+    thread = app.consumer._thread
+    assert "fetch_max_wait_ms=1500" in inspect.getsource(
+        faust_aiokafka.AIOKafkaConsumerThread._create_worker_consumer
+    )
+    try:
+        compat.set_fetch_max_wait(40)
+        consumer = thread._create_worker_consumer(app.transport)
+        assert consumer._fetch_max_wait_ms == 40
+        compat.set_fetch_max_wait(70)  # called again: the wrapper wraps Faust's own, not itself
+        assert thread._create_worker_consumer(app.transport)._fetch_max_wait_ms == 70
+    finally:
+        original = faust_aiokafka.AIOKafkaConsumerThread._surge_original_create_worker_consumer
+        faust_aiokafka.AIOKafkaConsumerThread._create_worker_consumer = original
