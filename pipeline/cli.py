@@ -68,9 +68,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
         from agents.risk import ensure_risk_topics
 
         asyncio.run(ensure_risk_topics(s))
-    from pipeline.compat import set_fetch_max_wait
-
-    set_fetch_max_wait(s.fetch_max_wait_ms)
     app, rt = build_worker_app(s)
 
     if rt.inference is not None:
