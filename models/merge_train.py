@@ -65,7 +65,7 @@ Pair = tuple[str, str, float]
 
 def read_pairs(path: Path) -> list[Pair]:
     """STS-B style ``sentence1,sentence2,score`` rows (no header)."""
-    from pipeline.dedup_eval import load_pairs
+    from pipeline.devtools.dedup_eval import load_pairs
 
     return load_pairs(path)
 

@@ -9,7 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
-from pipeline.bench import SCENARIOS
+from pipeline.devtools.bench import SCENARIOS
 from pipeline.exceptions import SurgeError
 from pipeline.terms import PRIORITIES, TIERS, Priority, Tier
 
@@ -22,7 +22,7 @@ def _settings(**overrides: object):
 
 # ---- kafka --------------------------------------------------------------------------------------
 def cmd_kafka(args: argparse.Namespace) -> int:
-    from pipeline.broker import EmbeddedKafka, read_state, stop_pid
+    from pipeline.devtools.broker import EmbeddedKafka, read_state, stop_pid
 
     data_dir = Path(args.data_dir)
     if args.action == "start":
@@ -146,7 +146,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
 
 # ---- demo ---------------------------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> int:
-    from pipeline.demo import run_demo
+    from pipeline.devtools.demo import run_demo
 
     summary = run_demo(n=args.n, rate_per_s=args.rate, data_dir=Path(args.data_dir), quiet=args.quiet)
     if args.summary_json:
@@ -175,7 +175,7 @@ def cmd_dedup(args: argparse.Namespace) -> int:
             Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         print(json.dumps(report["heads"], indent=2))
         return 0
-    from pipeline.dedup_eval import parse_thresholds, run_dedup_eval
+    from pipeline.devtools.dedup_eval import parse_thresholds, run_dedup_eval
     from pipeline.pairs import decision_from_settings
 
     s = _settings()
@@ -188,7 +188,7 @@ def cmd_dedup(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pipeline.bench import run_bench
+    from pipeline.devtools.bench import run_bench
 
     options = {"banking77_csv": args.data} if args.data else {}
     return run_bench(args.scenario, quick=args.quick, json_path=args.json, plot_path=args.plot, **options)

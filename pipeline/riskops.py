@@ -266,8 +266,8 @@ def run_risk_demo(
     n: int, rate_per_s: float, data_dir: Path, quiet: bool = False, show_all: bool = False
 ) -> dict[str, Any]:
     """Start Kafka and a risk worker, stream ``n`` simulated events at ``rate_per_s``, stop everything."""
-    from pipeline.broker import EmbeddedKafka
-    from pipeline.procs import WorkerProcess
+    from pipeline.devtools.broker import EmbeddedKafka
+    from pipeline.devtools.procs import WorkerProcess
     from pipeline.settings import Settings
 
     # a fresh broker and fresh tables each run: the simulated stream is the same every time, and a

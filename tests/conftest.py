@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from pipeline.broker import EmbeddedKafka
-from pipeline.deployment import Deployment as SharedDeployment
-from pipeline.deployment import deployment_env, load_settings
+from pipeline.devtools.broker import EmbeddedKafka
+from pipeline.devtools.deployment import Deployment as SharedDeployment
+from pipeline.devtools.deployment import deployment_env, load_settings
 from pipeline.settings import Settings
 
 #: deadlines long enough that a test about something else never sees deadline_exceeded
@@ -38,7 +38,7 @@ TEST_ENV = {"SURGE_PARTITIONS": "4", "SURGE_MODEL": "echo", "SURGE_COMMIT_INTERV
 
 
 class Deployment(SharedDeployment):
-    """One isolated surge deployment on the shared broker (:class:`pipeline.deployment.Deployment`
+    """One isolated surge deployment on the shared broker (:class:`pipeline.devtools.deployment.Deployment`
     with the tests' defaults); ``env`` keys are Settings field names or ``SURGE_*`` names."""
 
     def __init__(self, kafka: EmbeddedKafka, tmp: Path, **env: Any) -> None:

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from pipeline.bench import SCENARIOS, run_bench
-from pipeline.bench.common import BenchError, target
-from pipeline.bench.merging import build_workload, light_edit
-from pipeline.broker import EmbeddedKafka
 from pipeline.dedup import normalize
+from pipeline.devtools.bench import SCENARIOS, run_bench
+from pipeline.devtools.bench.common import BenchError, target
+from pipeline.devtools.bench.merging import build_workload, light_edit
+from pipeline.devtools.broker import EmbeddedKafka
 from pipeline.stats import percentile
 from tests.conftest import SHARED_DATA
 
@@ -48,10 +48,12 @@ def test_percentile_interpolates_and_target_reports_the_shortfall() -> None:
     assert percentile([5.0], 99) == 5.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile(list(range(101)), 99) == 99.0
-    import pipeline.bench.common
-    import pipeline.demo
+    import pipeline.devtools.bench.common
+    import pipeline.devtools.demo
 
-    assert pipeline.demo.percentile is pipeline.bench.common.percentile is percentile  # one definition
+    assert (
+        pipeline.devtools.demo.percentile is pipeline.devtools.bench.common.percentile is percentile
+    )  # one definition
     missed = target("x", 0.3, ">=", 0.5)
     assert missed["met"] is False and missed["missed_by"] == pytest.approx(0.2)
     met = target("y", 120.0, "<=", 200.0)
@@ -198,21 +200,21 @@ def test_gateway_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
 
 # ---- surge and failover: pure parts ----------------------------------------------------------------
 def _sent(rid: str, priority: str = "interactive", tier: str = "standard", acked: bool | None = True) -> Any:
-    from pipeline.bench.surge import Sent
+    from pipeline.devtools.bench.surge import Sent
 
     return Sent(rid, 0, priority, tier, "default", "unique", created_ms=1_000_000, lag_ms=0.0, step="s",
                 partition=0, acked=acked)  # fmt: skip
 
 
 def _seen(rid: str, after_ms: float, **reply: Any) -> Any:
-    from pipeline.bench.surge import Seen
+    from pipeline.devtools.bench.surge import Seen
 
     return Seen(rid, (1_000_000 + after_ms) / 1000, 0, 0, 0, {"request_id": rid, **reply})
 
 
 @pytest.mark.skipif(not BANKING77.is_file(), reason="banking77 data not present")
 def test_surge_workload_asks_only_unseen_questions_in_the_merging_mix() -> None:
-    from pipeline.bench.surge import QuestionStream, unseen_questions
+    from pipeline.devtools.bench.surge import QuestionStream, unseen_questions
     from pipeline.guard import guard_allows
 
     holdout, trained = unseen_questions(BANKING77)
@@ -244,7 +246,7 @@ def test_surge_workload_asks_only_unseen_questions_in_the_merging_mix() -> None:
 def test_surge_users_stay_within_their_rate_at_the_peak() -> None:
     from collections import Counter
 
-    from pipeline.bench.surge import TIER_MIX, Population, tenants_for
+    from pipeline.devtools.bench.surge import TIER_MIX, Population, tenants_for
     from pipeline.settings import Settings
 
     s = Settings()
@@ -267,7 +269,7 @@ def test_surge_users_stay_within_their_rate_at_the_peak() -> None:
 
 
 def test_surge_templates_are_judged_by_class_tier_and_level() -> None:
-    from pipeline.bench.surge import settled_after, template_violation
+    from pipeline.devtools.bench.surge import settled_after, template_violation
 
     tpl = {"status": "ok", "served_from": "template", "finish_reason": "template", "degradation_level": 3}
     assert template_violation(tpl, _sent("a", "batch")) is None
@@ -289,7 +291,7 @@ def test_surge_templates_are_judged_by_class_tier_and_level() -> None:
 def test_surge_class_summary_counts_each_kind_of_miss_once() -> None:
     from collections import defaultdict
 
-    from pipeline.bench.surge import class_summary, exactly_once
+    from pipeline.devtools.bench.surge import class_summary, exactly_once
 
     recs = [_sent(f"r{i}") for i in range(5)] + [_sent("failed", acked=False)]
     by_rid: dict[str, list[Any]] = defaultdict(list)
@@ -310,7 +312,7 @@ def test_surge_class_summary_counts_each_kind_of_miss_once() -> None:
 
 
 def test_lag_sampler_sums_and_peaks_by_topic() -> None:
-    from pipeline.bench.surge import LagSampler
+    from pipeline.devtools.bench.surge import LagSampler
 
     lag = LagSampler("127.0.0.1:1", "g", ["p.requests", "p.work.batch"])
     lag.samples = [
@@ -339,8 +341,8 @@ def test_trace_finds_where_an_unanswered_request_went(kafka: EmbeddedKafka) -> N
     from aiokafka import AIOKafkaProducer
 
     from pipeline.admin import ensure_topics
-    from pipeline.bench.surge import trace_requests
-    from pipeline.deployment import deployment_env, load_settings
+    from pipeline.devtools.bench.surge import trace_requests
+    from pipeline.devtools.deployment import deployment_env, load_settings
     from pipeline.topics import TopicNames
 
     env = deployment_env(kafka.bootstrap, prefix="trace.", app_id="trace", data_dir="/tmp/unused")
@@ -418,7 +420,7 @@ def test_surge_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
 @pytest.mark.integration
 @pytest.mark.skipif(not BANKING77.is_file(), reason="banking77 data not present")
 def test_failover_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
-    from pipeline.broker import _run_sync, metadata_answers
+    from pipeline.devtools.broker import _run_sync, metadata_answers
 
     bootstrap = kafka.bootstrap
     r = _run("failover", kafka, tmp_path, banking77_csv=BANKING77)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from pipeline.broker import EmbeddedKafka, read_state
+from pipeline.devtools.broker import EmbeddedKafka, read_state
 from pipeline.exceptions import BrokerError
 
 

@@ -24,7 +24,7 @@ from faust.transport.consumer import ThreadDelegateConsumer
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
 from pipeline import compat
-from pipeline.broker import EmbeddedKafka
+from pipeline.devtools.broker import EmbeddedKafka
 
 
 def test_written_for_the_installed_versions() -> None:

@@ -25,7 +25,7 @@ from pipeline.dedup import (
     scope_key,
     would_merge,
 )
-from pipeline.dedup_eval import (
+from pipeline.devtools.dedup_eval import (
     NoThresholdError,
     PairsFormatError,
     choose_threshold,

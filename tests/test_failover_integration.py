@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from pipeline.broker import EmbeddedKafka
+from pipeline.devtools.broker import EmbeddedKafka
 from tests.conftest import Deployment, request
 
 pytestmark = pytest.mark.integration

@@ -29,7 +29,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipeline.auth import ApiKey
-from pipeline.broker import EmbeddedKafka, free_port
+from pipeline.devtools.broker import EmbeddedKafka, free_port
 from pipeline.exceptions import InvalidRequestError
 from pipeline.gateway import start_gateway
 from pipeline.gateway_format import (

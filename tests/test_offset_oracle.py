@@ -14,7 +14,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import OffsetAndMetadata
 
 from agents.offset_oracle import OffsetOracle
-from pipeline.broker import EmbeddedKafka
+from pipeline.devtools.broker import EmbeddedKafka
 from pipeline.records import now_ms
 from pipeline.settings import Settings
 from tests.conftest import RELAXED, request

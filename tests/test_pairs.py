@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from pipeline.cache import AnswerCache, CachedAnswer
 from pipeline.dedup import cluster, normalize, would_merge
-from pipeline.dedup_eval import evaluate_pairs, registry_merges
+from pipeline.devtools.dedup_eval import evaluate_pairs, registry_merges
 from pipeline.guard import action_asymmetry, guard_allows, hard_conflict
 from pipeline.merge import MergeRegistry
 from pipeline.pairs import (
@@ -472,7 +472,7 @@ def test_shipped_decision_merges_paraphrases_in_both_languages(embedder) -> None
 def test_shipped_decision_meets_the_dev_targets(
     embedder, split: str, min_para: float, max3: float, max4: float
 ) -> None:
-    from pipeline.dedup_eval import load_pairs
+    from pipeline.devtools.dedup_eval import load_pairs
 
     pairs = load_pairs(SHARED / "stsb" / f"{split}.csv")
     result = evaluate_pairs(pairs, embedder.embed, [0.92], decision=load_decision())

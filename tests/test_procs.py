@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.deployment import Deployment, deployment_env, env_name, load_settings
+from pipeline.devtools.deployment import Deployment, deployment_env, env_name, load_settings
+from pipeline.devtools.procs import ManagedProcess, WorkerProcess
 from pipeline.exceptions import SurgeError
-from pipeline.procs import ManagedProcess, WorkerProcess
 
 
 def _python(code: str, log: Path) -> ManagedProcess:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.devtools.procs import ManagedProcess
 from pipeline.exceptions import SurgeError
-from pipeline.procs import ManagedProcess
 
 
 def test_a_ready_line_left_by_an_earlier_run_does_not_count(tmp_path: Path) -> None:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from models.risk import INPUTS, RiskModel, recall_at_fpr, train, vectorize
-from pipeline.bench import SCENARIOS, run_bench
-from pipeline.broker import EmbeddedKafka
+from pipeline.devtools.bench import SCENARIOS, run_bench
+from pipeline.devtools.broker import EmbeddedKafka
 from pipeline.risk.features import OK, FeatureEngine
 from pipeline.risk.simulate import SimConfig, simulate
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from agents.risk import ensure_risk_topics, feature_config
-from pipeline.bench.risk_check import check_decisions, read_arrivals
+from pipeline.devtools.bench.risk_check import check_decisions, read_arrivals
 from pipeline.metrics import scrape
 from pipeline.risk.records import RiskDecision
 from pipeline.risk.rules import Rule

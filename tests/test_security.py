@@ -31,8 +31,8 @@ from pipeline import auth
 from pipeline.admin import ensure_topics
 from pipeline.app import WEB_VIEWS_OFF, create_app, faust_credentials
 from pipeline.auth import ApiKey, KeyRing, parse_api_keys, tenant_user_id
-from pipeline.broker import EmbeddedKafka, free_port
 from pipeline.client import SurgeClient
+from pipeline.devtools.broker import EmbeddedKafka, free_port
 from pipeline.exceptions import (
     ApiKeyConfigError,
     BrokerError,

@@ -37,11 +37,11 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 from tqdm import tqdm
 
-from pipeline.broker import free_port
 from pipeline.compat import refresh_metadata
-from pipeline.deployment import load_settings
+from pipeline.devtools.broker import free_port
+from pipeline.devtools.deployment import load_settings
+from pipeline.devtools.procs import WorkerProcess
 from pipeline.kafka_security import client_options
-from pipeline.procs import WorkerProcess
 from pipeline.records import now_ms
 from pipeline.replay import compare, plan
 from pipeline.replay.plan import Copy, PartitionRange, ReplayError, ReplayNames, Throttle

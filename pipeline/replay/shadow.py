@@ -33,10 +33,10 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from pipeline.admin import ensure_topics
-from pipeline.broker import free_port
-from pipeline.deployment import load_settings
+from pipeline.devtools.broker import free_port
+from pipeline.devtools.deployment import load_settings
+from pipeline.devtools.procs import WorkerProcess
 from pipeline.kafka_security import client_options
-from pipeline.procs import WorkerProcess
 from pipeline.records import now_ms, salvage_ids
 from pipeline.replay import compare, plan
 from pipeline.replay.plan import ReplayError, ReplayNames, Throttle

@@ -1,7 +1,7 @@
 """One isolated surge deployment on a shared broker: its own topics, app id, data folders, workers
 and clients.
 
-The one deployment builder of the benchmarks (``pipeline/bench/common.py``) and the integration
+The one deployment builder of the benchmarks (``pipeline/devtools/bench/common.py``) and the integration
 tests (``tests/conftest.py``): both give each arm or test its own topic prefix and app id, so they
 share a broker but no topics, consumer groups or tables, and start workers the same way.
 """
@@ -17,8 +17,8 @@ from typing import Any
 
 from pipeline.client import SurgeClient
 from pipeline.compat import refresh_metadata
+from pipeline.devtools.procs import WorkerProcess
 from pipeline.metrics import scrape
-from pipeline.procs import WorkerProcess
 from pipeline.settings import Settings
 from pipeline.topics import TopicNames
 

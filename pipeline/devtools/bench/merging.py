@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench.common import (
+from pipeline.client import SurgeClient
+from pipeline.dedup import normalize
+from pipeline.devtools.bench.common import (
     BenchDeployment,
     BenchEnv,
     BenchError,
@@ -40,10 +42,8 @@ from pipeline.bench.common import (
     progress,
     target,
 )
-from pipeline.bench.load import LoadResult, open_loop
-from pipeline.broker import EmbeddedKafka
-from pipeline.client import SurgeClient
-from pipeline.dedup import normalize
+from pipeline.devtools.bench.load import LoadResult, open_loop
+from pipeline.devtools.broker import EmbeddedKafka
 
 DEFAULT_CSV = Path("../shared/data/banking77/train.csv")
 LONG_DEADLINES = long_deadlines(600_000)

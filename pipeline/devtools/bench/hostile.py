@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench.common import BenchEnv, long_deadlines, progress, target
-from pipeline.bench.surge import report, tree_rss_kb
-from pipeline.broker import EmbeddedKafka
+from pipeline.devtools.bench.common import BenchEnv, long_deadlines, progress, target
+from pipeline.devtools.bench.surge import report, tree_rss_kb
+from pipeline.devtools.broker import EmbeddedKafka
 from pipeline.settings import Settings
 
 #: the cache bound of the run (entries); the default (100,000) would take the whole run to reach

@@ -14,11 +14,11 @@ from typing import Any
 from tqdm import tqdm
 
 from pipeline.admin import ensure_topics
-from pipeline.broker import EmbeddedKafka
 from pipeline.client import SurgeClient
-from pipeline.procs import WorkerProcess
+from pipeline.devtools.broker import EmbeddedKafka
+from pipeline.devtools.procs import WorkerProcess
+from pipeline.devtools.samples import QUESTIONS, REPHRASINGS, USERS
 from pipeline.records import InferenceReply
-from pipeline.samples import QUESTIONS, REPHRASINGS, USERS
 from pipeline.settings import Settings
 from pipeline.stats import percentile
 from pipeline.terms import PRIORITIES

@@ -3,7 +3,7 @@
 Arms, both serving ``POST /v1/chat/completions`` on 127.0.0.1 with the FAQ answerer:
 
 * ``surge``: ``surge gateway`` (aiohttp → Kafka → a surge worker, micro-batched) in its own process;
-* ``sync``: :mod:`pipeline.bench.sync_server`, a ``ThreadingHTTPServer`` calling the model
+* ``sync``: :mod:`pipeline.devtools.bench.sync_server`, a ``ThreadingHTTPServer`` calling the model
   synchronously once per request (the conventional design).
 
 The load generator is an aiohttp client with a connector limit of 500 and 500 concurrent senders,
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench.common import (
+from pipeline.devtools.bench.common import (
     BANKING_WORDS,
     BASE_ENV,
     BenchEnv,
@@ -34,7 +34,7 @@ from pipeline.bench.common import (
     ratio,
     target,
 )
-from pipeline.broker import EmbeddedKafka, free_port
+from pipeline.devtools.broker import EmbeddedKafka, free_port
 
 LONG_DEADLINES = long_deadlines(60_000)
 
@@ -153,7 +153,7 @@ def run(
         )
         gw_port, sync_port = free_port(), free_port()
         sync = HelperProcess(
-            [sys.executable, "-m", "pipeline.bench.sync_server", "--port", str(sync_port), "--model", "faq"],
+            [sys.executable, "-m", "pipeline.devtools.bench.sync_server", "--port", str(sync_port), "--model", "faq"],
             env.run_dir / "sync-server.log", env=dict(BASE_ENV),
         ).start(env)  # fmt: skip
         startup_s = env.wait_ready([d])

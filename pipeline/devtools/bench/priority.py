@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench.common import (
+from pipeline.client import SurgeClient
+from pipeline.devtools.bench.common import (
     BenchDeployment,
     BenchEnv,
     BenchError,
@@ -32,9 +33,8 @@ from pipeline.bench.common import (
     progress,
     target,
 )
-from pipeline.bench.load import LoadResult, closed_loop, open_loop
-from pipeline.broker import EmbeddedKafka
-from pipeline.client import SurgeClient
+from pipeline.devtools.bench.load import LoadResult, closed_loop, open_loop
+from pipeline.devtools.broker import EmbeddedKafka
 
 MIX = (("realtime", 0.10), ("interactive", 0.30), ("batch", 0.60))
 ECHO = {"echo_delay_ms": 20.0, "echo_per_item_ms": 5.0, "max_batch_size": 8, "base_batch_size": 8}

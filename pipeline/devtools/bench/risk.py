@@ -14,7 +14,7 @@ within the grace period, 0.1 % late), in phases:
 
 Latency is produce to decision, from the decision records (``decided_ms - produced_ms``, both taken
 on this machine). Afterwards every decision (repeats after the crash included) is checked against
-the brute-force recomputation from the events each stage read (:mod:`pipeline.bench.risk_check`),
+the brute-force recomputation from the events each stage read (:mod:`pipeline.devtools.bench.risk_check`),
 every event must have a decision, and repeats must be identical. Model quality: recall at a 1 %
 false-positive rate on a later simulated period (the packaged model was trained on days 0-14 of the
 same world), the model against the default rules alone. ``--quick`` runs every phase small.
@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench.common import (
+from pipeline.compat import refresh_metadata
+from pipeline.devtools.bench.common import (
     BENCH_DIR,
     BenchEnv,
     BenchError,
@@ -40,9 +41,8 @@ from pipeline.bench.common import (
     scrape,
     target,
 )
-from pipeline.bench.risk_check import check_decisions, read_arrivals
-from pipeline.broker import EmbeddedKafka
-from pipeline.compat import refresh_metadata
+from pipeline.devtools.bench.risk_check import check_decisions, read_arrivals
+from pipeline.devtools.broker import EmbeddedKafka
 from pipeline.risk.records import RiskDecision
 from pipeline.risk.simulate import DAY_MS, SimConfig, as_event, disorder, simulate
 from pipeline.riskops import RISK_READY

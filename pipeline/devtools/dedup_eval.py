@@ -439,7 +439,7 @@ def parse_thresholds(spec: str) -> list[float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pipeline.dedup_eval --pairs CSV`` (what ``surge dedup eval`` wraps)."""
+    """``python -m pipeline.devtools.dedup_eval --pairs CSV`` (what ``surge dedup eval`` wraps)."""
     import argparse
 
     parser = argparse.ArgumentParser(description="Measure semantic dedup on STS-B style pairs.")

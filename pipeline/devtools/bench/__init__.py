@@ -43,5 +43,5 @@ def run_bench(
     """
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown benchmark scenario {scenario!r}; one of {', '.join(SCENARIOS)}")
-    module = importlib.import_module(f"pipeline.bench.{scenario}")
+    module = importlib.import_module(f"pipeline.devtools.bench.{scenario}")
     return int(module.run(quick=quick, json_path=json_path, plot_path=plot_path, **options))

@@ -1,6 +1,6 @@
 """The gateway benchmark's baseline: the conventional synchronous design, one thread per request.
 
-``python -m pipeline.bench.sync_server --port N --model faq|echo`` serves ``POST /v1/chat/completions``
+``python -m pipeline.devtools.bench.sync_server --port N --model faq|echo`` serves ``POST /v1/chat/completions``
 with :class:`http.server.ThreadingHTTPServer` (HTTP/1.1 keep-alive, one thread per connection) and
 answers each request by calling the same model synchronously, one request per call. The model is
 shared and its calls are serialised by a lock (its tokenizer is not safe to call from many threads

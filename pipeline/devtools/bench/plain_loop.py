@@ -1,6 +1,6 @@
 """The overhead benchmark's baseline: a plain aiokafka consume → echo → produce → commit loop.
 
-Run as its own process (``python -m pipeline.bench.plain_loop``), like a surge worker, so the two
+Run as its own process (``python -m pipeline.devtools.bench.plain_loop``), like a surge worker, so the two
 arms compete for the same CPUs in the same way. It reads the request topic in a consumer group,
 answers each record with the echo model, sends one reply per record to its ``reply_to`` topic,
 waits for the broker's acks, then commits the offsets: the same at-least-once shape as surge, with

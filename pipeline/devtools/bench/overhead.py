@@ -3,7 +3,7 @@
 Arms, on the same broker, driven by the same client:
 
 * ``surge``: a worker (intake → work topic → inference → reply), echo model, caches and merging off;
-* ``plain``: :mod:`pipeline.bench.plain_loop`, an aiokafka consume → echo → produce → commit loop.
+* ``plain``: :mod:`pipeline.devtools.bench.plain_loop`, an aiokafka consume → echo → produce → commit loop.
 
 Throughput: closed loop at high concurrency, rounds interleaved (surge, plain, surge, plain, ...).
 Added latency: p50 at concurrency 1 (no queueing), surge minus plain. Target: surge throughput at
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench.common import (
+from pipeline.client import SurgeClient
+from pipeline.devtools.bench.common import (
     BenchDeployment,
     BenchEnv,
     BenchError,
@@ -30,9 +31,8 @@ from pipeline.bench.common import (
     ratio,
     target,
 )
-from pipeline.bench.load import LoadResult, closed_loop
-from pipeline.broker import EmbeddedKafka
-from pipeline.client import SurgeClient
+from pipeline.devtools.bench.load import LoadResult, closed_loop
+from pipeline.devtools.broker import EmbeddedKafka
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def run(
             sc = await surge.client()
             pc = await plain.client()  # creates the plain arm's topics before its loop subscribes
             helper = HelperProcess(
-                [sys.executable, "-m", "pipeline.bench.plain_loop", "--bootstrap", env.bootstrap,
+                [sys.executable, "-m", "pipeline.devtools.bench.plain_loop", "--bootstrap", env.bootstrap,
                  "--topic", plain.topics.requests, "--group", plain.env["SURGE_APP_ID"],
                  "--reply-to", plain.topics.replies],
                 env.run_dir / "plain-loop.log",

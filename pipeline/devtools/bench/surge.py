@@ -9,7 +9,7 @@ Workload (:class:`QuestionStream`): questions the answerer was not trained on, t
 banking77 (:func:`models.faq_train.split_banking77`, 15%, seed 77; the CSV is read only here; the few
 held-out rows that repeat a training question are left out), in the
 merging workload's mix: 50% unique questions, 30% exact repeats of an earlier one, 20% light edits of
-one (:func:`pipeline.bench.merging.light_edit`). The held-out rows (~1500) run out after a few
+one (:func:`pipeline.devtools.bench.merging.light_edit`). The held-out rows (~1500) run out after a few
 thousand requests; each later pass over them adds a customer's own detail (an order, card or ticket
 number, distinct per question), which the dedup guard treats as a different question, so a unique
 question keeps costing a model call, as in a real surge. Classes realtime:interactive:batch:offline
@@ -46,7 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench.common import (
+from pipeline.compat import refresh_metadata
+from pipeline.dedup import normalize
+from pipeline.devtools.bench.common import (
     BenchDeployment,
     BenchEnv,
     BenchError,
@@ -57,10 +59,8 @@ from pipeline.bench.common import (
     target,
     write_json,
 )
-from pipeline.bench.merging import light_edit
-from pipeline.broker import EmbeddedKafka
-from pipeline.compat import refresh_metadata
-from pipeline.dedup import normalize
+from pipeline.devtools.bench.merging import light_edit
+from pipeline.devtools.broker import EmbeddedKafka
 from pipeline.kafka_security import client_options
 from pipeline.settings import PRIORITIES, Settings
 from pipeline.topics import TopicNames
@@ -81,7 +81,7 @@ SCRAPE_INTERVAL_S = 0.5
 
 
 def _default_csv() -> Path:
-    here = Path(__file__).resolve().parents[2]  # the repository root
+    here = Path(__file__).resolve().parents[3]  # the repository root
     for base in (here.parent / "shared" / "data", Path("../shared/data")):
         p = base / "banking77" / "train.csv"
         if p.is_file():

@@ -28,14 +28,14 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from pipeline.bench.common import BENCH_DIR, BenchEnv, finish, latency_summary, progress, target
-from pipeline.broker import EmbeddedKafka
 from pipeline.client import SurgeClient
-from pipeline.demo import workload
+from pipeline.devtools.bench.common import BENCH_DIR, BenchEnv, finish, latency_summary, progress, target
+from pipeline.devtools.broker import EmbeddedKafka
+from pipeline.devtools.demo import workload
+from pipeline.devtools.samples import QUESTIONS
 from pipeline.records import InferenceReply, now_ms
 from pipeline.replay import compare
 from pipeline.replay.runner import ReplayOptions, run_replay
-from pipeline.samples import QUESTIONS
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench.common import (
+from pipeline.client import SurgeClient
+from pipeline.devtools.bench.common import (
     BANKING_WORDS,
     BENCH_DIR,
     BenchDeployment,
@@ -36,9 +37,8 @@ from pipeline.bench.common import (
     ratio,
     target,
 )
-from pipeline.bench.load import LoadResult, closed_loop
-from pipeline.broker import EmbeddedKafka
-from pipeline.client import SurgeClient
+from pipeline.devtools.bench.load import LoadResult, closed_loop
+from pipeline.devtools.broker import EmbeddedKafka
 
 #: largest batch (the HF backend's own default cap is 16 too)
 BATCH = 16

@@ -4,7 +4,7 @@ Called by every scenario module. :class:`BenchEnv` starts the embedded Kafka bro
 (data dir ``.surge-bench/kafka``), hands out :class:`BenchDeployment` objects (one topic prefix,
 app id and worker per arm, so arms share the broker but nothing else) and stops every process it
 started when the ``with`` block ends, also on errors and Ctrl-C. Deployments, processes and
-percentiles are the ones the tests and the demo use too (``pipeline.deployment``, ``pipeline.procs``,
+percentiles are the ones the tests and the demo use too (``pipeline.devtools.deployment``, ``pipeline.devtools.procs``,
 ``pipeline.stats``); they are importable from here as well.
 """
 
@@ -21,11 +21,11 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.broker import EmbeddedKafka
-from pipeline.deployment import Deployment, deployment_env
+from pipeline.devtools.broker import EmbeddedKafka
+from pipeline.devtools.deployment import Deployment, deployment_env
+from pipeline.devtools.procs import ManagedProcess
 from pipeline.exceptions import SurgeError
 from pipeline.metrics import scrape as scrape
-from pipeline.procs import ManagedProcess
 from pipeline.stats import latency_summary as latency_summary
 from pipeline.stats import percentile as percentile
 

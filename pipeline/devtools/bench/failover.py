@@ -3,7 +3,7 @@
 Two ``surge worker`` processes with one ``SURGE_APP_ID`` (one consumer group), each with its own data
 dir and web port, on the default path (FAQ answerer, caches and merging, rate limits, degradation),
 take an open-loop load of half the model-alone limit L (measured as in ``surge bench surge``) of
-held-out banking77 questions in all four classes (the workload of :mod:`pipeline.bench.surge`).
+held-out banking77 questions in all four classes (the workload of :mod:`pipeline.devtools.bench.surge`).
 While it runs, one event at a time, each after the previous one has recovered:
 
 * three SIGKILL-and-restart cycles (w1, w0, w1): the worker's process group is killed and the worker
@@ -11,7 +11,7 @@ While it runs, one event at a time, each after the previous one has recovered:
 * one SIGTERM rolling restart: each worker in turn gets SIGTERM, is waited for until it exits, is
   started again and waited for until it reports ready;
 * one broker restart: the embedded Kafka stopped and started on the same port and data dir
-  (:meth:`pipeline.broker.EmbeddedKafka.restart`).
+  (:meth:`pipeline.devtools.broker.EmbeddedKafka.restart`).
 
 ``--quick``: one SIGKILL cycle, SIGTERM of one worker, the broker restart, at 0.3 of that load.
 
@@ -43,8 +43,8 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench.common import BENCH_DIR, BenchDeployment, BenchEnv, BenchError, target
-from pipeline.bench.surge import (
+from pipeline.devtools.bench.common import BENCH_DIR, BenchDeployment, BenchEnv, BenchError, target
+from pipeline.devtools.bench.surge import (
     CLASS_MIX,
     DEFAULT_PATH,
     LagSampler,
@@ -67,10 +67,10 @@ from pipeline.bench.surge import (
     unseen_questions,
     wait_answered,
 )
-from pipeline.broker import EmbeddedKafka, free_port
+from pipeline.devtools.broker import EmbeddedKafka, free_port
+from pipeline.devtools.procs import WorkerProcess
 from pipeline.exceptions import SurgeError
 from pipeline.kafka_security import client_options
-from pipeline.procs import WorkerProcess
 from pipeline.settings import PRIORITIES
 
 LOAD = 0.5  # of L

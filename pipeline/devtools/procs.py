@@ -17,7 +17,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pipeline.broker import free_port, stop_pid
+from pipeline.devtools.broker import free_port, stop_pid
 from pipeline.exceptions import SurgeError
 
 
