@@ -1,18 +1,14 @@
-"""Errors raised by model backends; all derive from :class:`pipeline.exceptions.SurgeError`."""
+"""Errors raised by model backends; all derive from :class:`pipeline.exceptions.SurgeError`.
+
+:class:`ModelError` and :class:`TransientModelError` live in :mod:`pipeline.exceptions` (the pipeline's
+core handles them without importing a backend) and are re-exported here with the backend-only errors.
+"""
 
 from __future__ import annotations
 
-from pipeline.exceptions import SurgeError
+from pipeline.exceptions import ModelError, TransientModelError
 
-
-class ModelError(SurgeError):
-    """A model call failed for this input; permanent unless a subclass says otherwise."""
-
-    code = "model_error"
-
-
-class TransientModelError(ModelError):
-    """A failure worth retrying with backoff (timeouts, 5xx from a remote endpoint, busy device)."""
+__all__ = ["ModelError", "ModelLoadError", "ModelOutOfMemoryError", "TransientModelError"]
 
 
 class ModelOutOfMemoryError(ModelError):

@@ -2,7 +2,7 @@
 
 Called by hand or by the CLI, never by a worker. The data (STS-B ``{en,zh}-{train,dev}.csv`` and the
 banking77 ``train.csv``) are passed in as a folder and are not shipped: only the weights and a hashed
-idf table (numbers, no text) derived from them are, in ``models/merge_data`` (``.npz`` + ``.json``).
+idf table (numbers, no text) derived from them are, in ``pipeline/merge_data`` (``.npz`` + ``.json``).
 
 Per language, a logistic regression over the pair features of :mod:`pipeline.pairs`:
 
@@ -407,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m models.merge_train --data ../shared/data`` (what ``surge dedup train`` wraps)."""
     parser = argparse.ArgumentParser(prog="surge dedup train", description=__doc__.splitlines()[0])
     parser.add_argument("--data", default="../shared/data", help="folder with stsb/ and banking77/")
-    parser.add_argument("--out-dir", default=None, help="where the weights go (default: models/merge_data)")
+    parser.add_argument("--out-dir", default=None, help="where the weights go (default: pipeline/merge_data)")
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--plot", default=None, help="write the trade-off and calibration plot here")
     args = parser.parse_args(argv)

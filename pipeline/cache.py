@@ -116,7 +116,7 @@ class AnswerCache:
                 return hit, 1.0
             if decision is None:
                 return None
-            return self._decide(scope, vector, text, decision, None, write=False)
+            return self._decide(scope, vector, text, decision)
 
     def drop_expired(self) -> int:
         """Delete from the store the expired entries lookups met; called on the store's thread."""
@@ -129,62 +129,6 @@ class AnswerCache:
                     self._drop(key)
                     n += 1
         return n
-
-    def search(
-        self,
-        scope: str,
-        vector: np.ndarray | None,
-        threshold: float | None = None,
-        accept: Callable[[CachedAnswer], bool] | None = None,
-        *,
-        text: str | None = None,
-        decision: MergeDecision | None = None,
-    ) -> tuple[CachedAnswer, float] | None:
-        """Called by inference for a request with no exact hit: a fresh answer in ``scope`` to serve.
-
-        With ``decision`` and ``text`` (the request's question): the cached question the decision
-        ranks highest among those it lets merge with ``text`` (``threshold`` is not used; ``vector``
-        may be None for a text the embedder does not read). Without: the most similar answer with
-        cosine >= ``threshold`` that ``accept`` (e.g. the lexical guard against the cached question)
-        allows. Returns the entry and the similarity a reply reports.
-
-        Expired entries and entries another worker deleted are dropped from the index on the way,
-        so they never shadow a usable match.
-        """
-        with self._lock:
-            if decision is not None and text is not None:
-                return self._decide(scope, vector, text, decision, accept)
-            return self._search(scope, vector, threshold, accept)
-
-    def _search(
-        self,
-        scope: str,
-        vector: np.ndarray | None,
-        threshold: float | None,
-        accept: Callable[[CachedAnswer], bool] | None,
-    ) -> tuple[CachedAnswer, float] | None:
-        if self.index is None or vector is None or threshold is None:
-            return None
-        found: dict[str, CachedAnswer] = {}
-        stale: list[str] = []
-
-        def usable(key: str) -> bool:
-            entry = self._get(key, write=True)
-            if entry is None:
-                stale.append(key)
-                return False
-            if accept is not None and not accept(entry):
-                return False
-            found[key] = entry
-            return True
-
-        hit = self.index.search(scope, vector, threshold, accept=usable)
-        for key in stale:  # after the search: removing moves rows of the matrix being read
-            self._forget(scope, key)
-        if hit is None:
-            return None
-        key, sim = hit
-        return found[key], sim
 
     def _lexical_candidates(self, scope: str, text: str) -> list[str]:
         grams = lexical_keys(text)
@@ -205,10 +149,11 @@ class AnswerCache:
         vector: np.ndarray | None,
         text: str,
         decision: MergeDecision,
-        accept: Callable[[CachedAnswer], bool] | None,
-        *,
-        write: bool = True,
     ) -> tuple[CachedAnswer, float] | None:
+        """The cached question the decision ranks highest among those it lets merge with ``text``:
+        vector candidates above the decision's cosine floor, plus lexical ones (texts the embedder does
+        not read). Entries found expired or deleted are forgotten in memory (the store is not written:
+        this may run in a worker thread)."""
         cands: dict[str, float | None] = {}
         if vector is not None and self.index is not None:
             cands.update(self.index.candidates(scope, vector, decision.cosine_floor, SEARCH_CANDIDATES))
@@ -217,11 +162,9 @@ class AnswerCache:
         best: tuple[float, str, CachedAnswer, float] | None = None
         stale: list[str] = []
         for key, cos in cands.items():
-            entry = self._get(key, write=write)
+            entry = self._get(key, write=False)
             if entry is None:
                 stale.append(key)
-                continue
-            if accept is not None and not accept(entry):
                 continue
             verdict = decision.decide(entry.text, text, cos)
             if verdict.merge and (best is None or verdict.score > best[0]):

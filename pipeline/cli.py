@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     de.set_defaults(fn=cmd_dedup)
     dt = dsub.add_parser("train", help="train the learned merge decision (STS-B en/zh, banking77)")
     dt.add_argument("--data", default="../shared/data", help="folder with stsb/ and banking77/")
-    dt.add_argument("--out-dir", default=None, help="where the weights go (default: models/merge_data)")
+    dt.add_argument("--out-dir", default=None, help="where the weights go (default: pipeline/merge_data)")
     dt.add_argument("--json", default=None, help="write the training report here")
     dt.add_argument("--plot", default=None, help="write the trade-off and calibration plot here")
     dt.set_defaults(fn=cmd_dedup)

@@ -95,3 +95,17 @@ class PermissionDeniedError(SurgeError):
         self.what = what
         self.asked = asked
         self.allowed = allowed
+
+
+class ModelError(SurgeError):
+    """A model call failed for this input; permanent unless a subclass says otherwise.
+
+    Defined here, not in ``models``, because the pipeline's core handles it (failure isolation, error
+    replies) without importing any model backend; ``models.exceptions`` re-exports it.
+    """
+
+    code = "model_error"
+
+
+class TransientModelError(ModelError):
+    """A failure worth retrying with backoff (timeouts, 5xx from a remote endpoint, busy device)."""

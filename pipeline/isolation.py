@@ -3,7 +3,7 @@
 :func:`run_isolated` runs a batch through a model so that one bad request cannot fail its
 batch-mates: transient errors are retried with exponential backoff (tenacity); any other failure of a
 batch of several items splits it in halves, recursively, until the failing item is alone and gets its
-:class:`~models.exceptions.ModelError` in its slot. With one poisoned item in a batch of ``n`` this
+:class:`~pipeline.exceptions.ModelError` in its slot. With one poisoned item in a batch of ``n`` this
 costs at most ``1 + 2 * ceil(log2(n))`` model calls (plus retries).
 
 It blocks (sleeps between retries), so the inference agent calls it in a worker thread.
@@ -27,8 +27,7 @@ from tenacity import (
     wait_random,
 )
 
-from models.exceptions import ModelError, TransientModelError
-from pipeline.exceptions import SettingsError
+from pipeline.exceptions import ModelError, SettingsError, TransientModelError
 
 T = TypeVar("T")
 R = TypeVar("R")

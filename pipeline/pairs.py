@@ -570,10 +570,9 @@ MODEL_FILE = "merge_model.json"
 
 
 def default_data_dir() -> Path:
-    """``models/merge_data`` of the installed package: where the shipped weights are."""
-    import models
-
-    return Path(models.__file__).resolve().parent / "merge_data"
+    """``pipeline/merge_data`` of the installed package: where the shipped weights are (beside this
+    module, so the pipeline's core reads them without importing ``models``)."""
+    return Path(__file__).resolve().parent / "merge_data"
 
 
 def read_decision(data_dir: str | Path) -> LearnedDecision:

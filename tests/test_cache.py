@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pipeline.cache import AnswerCache, CachedAnswer
+from pipeline.pairs import Verdict
 
 SCOPE_A = "scope-a"
 SCOPE_B = "scope-b"
@@ -30,6 +31,30 @@ def unit(*xs: float) -> np.ndarray:
 
 
 E1, E2, E3, E4 = (unit(*row) for row in np.eye(4))
+
+
+class Cosine:
+    """Cosine at least ``threshold``, nothing else: these tests' texts are placeholders, so the guard of
+    the real decisions (tested in tests/test_pairs.py) stays out of the way."""
+
+    name = "cosine"
+
+    def __init__(self, threshold: float) -> None:
+        self.cosine_floor = threshold
+
+    def decide(self, a: str, b: str, cosine: float | None) -> Verdict:
+        ok = cosine is not None and cosine >= self.cosine_floor
+        return Verdict(ok, cosine or 0.0, cosine or 0.0, "cosine")
+
+
+def search(
+    cache: AnswerCache, scope: str, vector: np.ndarray, threshold: float
+) -> tuple[CachedAnswer, float] | None:
+    """The semantic lookup inference makes for a request with no exact hit, then the store clean-up it
+    schedules on the event loop (expired entries the lookup met)."""
+    hit = cache.lookup("no-exact-hit", scope, vector, "a probe question", Cosine(threshold))
+    cache.drop_expired()
+    return hit
 
 
 def answer(
@@ -77,7 +102,7 @@ def test_entries_expire_after_ttl_and_are_removed() -> None:
     assert len(cache) == 0
     # and it is gone from the semantic index too
     assert cache.index is not None and (SCOPE_A, "k1") not in cache.index
-    assert cache.search(SCOPE_A, E1, 0.5) is None
+    assert search(cache, SCOPE_A, E1, 0.5) is None
 
 
 def test_ttl_counts_from_the_entry_not_from_the_last_read() -> None:
@@ -115,7 +140,7 @@ def test_semantic_hit_touches_recency() -> None:
     cache, store, clock = make(max_entries=2)
     cache.put("a", answer("a", clock=clock, vector=E1))
     cache.put("b", answer("b", clock=clock, vector=E2))
-    assert cache.search(SCOPE_A, E1, 0.9) is not None
+    assert search(cache, SCOPE_A, E1, 0.9) is not None
     cache.put("c", answer("c", clock=clock, vector=E3))
     assert sorted(store) == ["a", "c"]
 
@@ -125,7 +150,7 @@ def test_evicted_entries_leave_the_semantic_index() -> None:
     cache.put("a", answer("a", clock=clock, vector=E1))
     cache.put("b", answer("b", clock=clock, vector=E2))
     cache.put("c", answer("c", clock=clock, scope=SCOPE_B, vector=E3))
-    assert cache.search(SCOPE_A, E1, 0.5) is None
+    assert search(cache, SCOPE_A, E1, 0.5) is None
     assert cache.index is not None and len(cache.index) == 2
     assert (SCOPE_A, "a") not in cache.index
 
@@ -135,9 +160,9 @@ def test_a_cache_of_one_entry_replaces_it() -> None:
     cache.put("a", answer("a", clock=clock, vector=E1))
     cache.put("b", answer("b", clock=clock, vector=E2))  # evicts a, in the store and the index
     assert sorted(store) == ["b"]
-    hit = cache.search(SCOPE_A, E2, 0.9)
+    hit = search(cache, SCOPE_A, E2, 0.9)
     assert hit is not None and hit[0].request_id == "req-b"
-    assert cache.search(SCOPE_A, E1, 0.9) is None
+    assert search(cache, SCOPE_A, E1, 0.9) is None
 
 
 # ---- semantic layer -------------------------------------------------------------------------------
@@ -148,32 +173,32 @@ def test_search_returns_the_best_match_above_the_threshold() -> None:
     cache.put("near", answer("near", clock=clock, vector=near))
     cache.put("nearer", answer("nearer", clock=clock, vector=nearer))
     cache.put("far", answer("far", clock=clock, vector=E2))
-    hit = cache.search(SCOPE_A, E1, 0.9)
+    hit = search(cache, SCOPE_A, E1, 0.9)
     assert hit is not None
     entry, sim = hit
     assert entry.request_id == "req-nearer"
     assert sim == pytest.approx(float(nearer @ E1), abs=1e-5)
-    assert cache.search(SCOPE_A, E1, 0.9999) is None  # nothing that close
-    assert cache.search(SCOPE_A, E4, 0.5) is None
+    assert search(cache, SCOPE_A, E1, 0.9999) is None  # nothing that close
+    assert search(cache, SCOPE_A, E4, 0.5) is None
 
 
 def test_search_is_scoped() -> None:
     cache, _, clock = make()
     cache.put("in-b", answer("in-b", clock=clock, scope=SCOPE_B, vector=E1))
-    assert cache.search(SCOPE_A, E1, 0.5) is None
+    assert search(cache, SCOPE_A, E1, 0.5) is None
     cache.put("in-a", answer("in-a", clock=clock, scope=SCOPE_A, vector=unit(1.0, 0.3, 0.0, 0.0)))
-    hit = cache.search(SCOPE_A, E1, 0.5)
+    hit = search(cache, SCOPE_A, E1, 0.5)
     assert hit is not None and hit[0].request_id == "req-in-a" and hit[1] < 0.99
-    hit_b = cache.search(SCOPE_B, E1, 0.5)
+    hit_b = search(cache, SCOPE_B, E1, 0.5)
     assert hit_b is not None and hit_b[0].request_id == "req-in-b" and hit_b[1] == pytest.approx(1.0)
 
 
 def test_search_on_an_empty_cache_and_vectorless_entries() -> None:
     cache, _, clock = make()
-    assert cache.search(SCOPE_A, E1, 0.1) is None
+    assert search(cache, SCOPE_A, E1, 0.1) is None
     cache.put("plain", answer("plain", clock=clock))  # not embeddable: exact layer only
     assert cache.get_exact("plain") is not None
-    assert cache.search(SCOPE_A, E1, 0.0) is None
+    assert search(cache, SCOPE_A, E1, 0.0) is None
 
 
 def test_search_skips_an_expired_best_match_for_a_fresh_one() -> None:
@@ -182,7 +207,7 @@ def test_search_skips_an_expired_best_match_for_a_fresh_one() -> None:
     clock.advance(5_000)
     cache.put("new", answer("new", clock=clock, vector=unit(1.0, 0.2, 0.0, 0.0)))
     clock.advance(6_000)  # old has expired, new has not
-    hit = cache.search(SCOPE_A, E1, 0.9)
+    hit = search(cache, SCOPE_A, E1, 0.9)
     assert hit is not None and hit[0].request_id == "req-new"
 
 
@@ -192,7 +217,7 @@ def test_search_ignores_an_entry_another_worker_deleted() -> None:
     cache.put("good", answer("good", clock=clock, vector=unit(1.0, 0.2, 0.0, 0.0)))
     del store["best"]  # evicted by another worker: the shared table no longer holds it
     for _ in range(2):
-        hit = cache.search(SCOPE_A, E1, 0.9)
+        hit = search(cache, SCOPE_A, E1, 0.9)
         assert hit is not None and hit[0].request_id == "req-good"
 
 
@@ -206,12 +231,12 @@ def test_sync_indexes_entries_other_workers_wrote() -> None:
     # written straight into the shared dict, as a changelog update would appear
     shared["raw"] = answer("raw", clock=clock, vector=E3).to_dict()
 
-    assert mine.search(SCOPE_A, E2, 0.9) is None  # not indexed here yet
+    assert search(mine, SCOPE_A, E2, 0.9) is None  # not indexed here yet
     assert mine.get_exact("theirs") is not None  # but the exact layer reads the store directly
     assert mine.sync() == 2
-    hit = mine.search(SCOPE_A, E2, 0.9)
+    hit = search(mine, SCOPE_A, E2, 0.9)
     assert hit is not None and hit[0].request_id == "req-theirs"
-    hit = mine.search(SCOPE_A, E3, 0.9)
+    hit = search(mine, SCOPE_A, E3, 0.9)
     assert hit is not None and hit[0].request_id == "req-raw"
     assert mine.sync() == 0  # nothing new the second time
 
@@ -222,8 +247,8 @@ def test_sync_skips_expired_entries() -> None:
     clock.advance(10_000)
     store["fresh"] = answer("fresh", clock=clock, vector=E2).to_dict()
     assert cache.sync() == 1
-    assert cache.search(SCOPE_A, E1, 0.9) is None
-    assert cache.search(SCOPE_A, E2, 0.9) is not None
+    assert search(cache, SCOPE_A, E1, 0.9) is None
+    assert search(cache, SCOPE_A, E2, 0.9) is not None
 
 
 def test_synced_entries_are_evicted_before_ones_this_worker_used() -> None:
@@ -259,7 +284,7 @@ def test_an_entry_kept_by_the_lru_stays_searchable() -> None:
     assert cache.get_exact("a") is not None  # an exact hit: b is now least recently used
     cache.put("c", answer("c", clock=clock, vector=E3))
     assert sorted(store) == ["a", "c"]
-    hit = cache.search(SCOPE_A, E1, 0.9)  # a is still cached, so it must still be found
+    hit = search(cache, SCOPE_A, E1, 0.9)  # a is still cached, so it must still be found
     assert hit is not None and hit[0].request_id == "req-a"
 
 
