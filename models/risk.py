@@ -31,14 +31,20 @@ import numpy as np
 from pipeline.exceptions import SurgeError
 from pipeline.risk.features import ALL_FEATURES, OK, FeatureConfig, FeatureEngine
 from pipeline.risk.rules import DEFAULT_RULES, RuleSet
+from pipeline.stats import recall_at_fpr
 
 DATA_DIR = Path(__file__).resolve().parent / "risk_data"
 WEIGHTS_FILE = "risk_model.npz"
 META_FILE = "risk_model.json"
 EVENT_INPUTS = (
-    "event_amount", "event_log_amount", "event_is_payment", "event_is_transfer", "event_is_login",
-    "event_card_present", "event_hour",
-)  # fmt: skip
+    "event_amount",
+    "event_log_amount",
+    "event_is_payment",
+    "event_is_transfer",
+    "event_is_login",
+    "event_card_present",
+    "event_hour",
+)
 INPUTS: tuple[str, ...] = (*ALL_FEATURES, *EVENT_INPUTS)
 MISSING = -1.0
 
@@ -64,24 +70,6 @@ def vectorize(event: dict[str, Any], features: dict[str, Any]) -> list[float]:
     return row
 
 
-def recall_at_fpr(scores: Sequence[float], labels: Sequence[int], fpr: float = 0.01) -> dict[str, float]:
-    """Recall at the lowest threshold whose false-positive rate is at most ``fpr`` (ties count as
-    flagged): ``{"recall", "fpr", "threshold"}``; recall 0 when no threshold is that strict."""
-    s = np.asarray(scores, dtype=np.float64)
-    y = np.asarray(labels, dtype=bool)
-    pos, neg = int(y.sum()), int((~y).sum())
-    if pos == 0 or neg == 0:
-        raise ValueError(f"need both classes, got {pos} positives and {neg} negatives")
-    best = {"recall": 0.0, "fpr": 0.0, "threshold": float("inf")}
-    for thr in np.unique(s)[::-1]:
-        flagged = s >= thr
-        f = float((flagged & ~y).sum() / neg)
-        if f > fpr:
-            break
-        best = {"recall": float((flagged & y).sum() / pos), "fpr": f, "threshold": float(thr)}
-    return best
-
-
 class RiskModel:
     """Boosted trees as flat arrays. ``score_many`` and ``explain`` implement
     :class:`pipeline.risk.decide.Scorer`."""
@@ -104,8 +92,13 @@ class RiskModel:
         self.version: str = meta["version"]
         self._safe_feature = np.where(self.feature < 0, 0, self.feature)
         # plain lists for the one-event walk of explain()
-        self._lists = (self.feature.tolist(), self.threshold.tolist(), self.left.tolist(),
-                       self.right.tolist(), self.value.tolist())  # fmt: skip
+        self._lists = (
+            self.feature.tolist(),
+            self.threshold.tolist(),
+            self.left.tolist(),
+            self.right.tolist(),
+            self.value.tolist(),
+        )
 
     # ---- scoring -----------------------------------------------------------------------------
     def raw(self, X: np.ndarray) -> np.ndarray:
@@ -151,10 +144,14 @@ class RiskModel:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         np.savez(
-            out / WEIGHTS_FILE, feature=self.feature.astype(np.int32), threshold=self.threshold,
-            left=self.left.astype(np.int32), right=self.right.astype(np.int32), value=self.value,
+            out / WEIGHTS_FILE,
+            feature=self.feature.astype(np.int32),
+            threshold=self.threshold,
+            left=self.left.astype(np.int32),
+            right=self.right.astype(np.int32),
+            value=self.value,
             roots=self.roots.astype(np.int32),
-        )  # fmt: skip
+        )
         (out / META_FILE).write_text(json.dumps(self.meta, indent=2) + "\n")
         return out
 
@@ -204,11 +201,14 @@ def _export(gb: Any, meta: dict[str, Any]) -> RiskModel:
 
 def replay(
     events: Sequence[dict[str, Any]], cfg: FeatureConfig | None = None
-) -> tuple[np.ndarray, np.ndarray, list[int], list[dict[str, Any]]]:
+) -> tuple[np.ndarray, np.ndarray, list[int], list[tuple[dict[str, Any], dict[str, Any]]]]:
     """Features of simulated events in event order: ``(X, labels, times, rows)``; late events skipped.
     ``rows`` holds ``(event, features)`` for the rules."""
     eng = FeatureEngine(cfg)
-    X, y, times, rows = [], [], [], []
+    X: list[list[float]] = []
+    y: list[int] = []
+    times: list[int] = []
+    rows: list[tuple[dict[str, Any], dict[str, Any]]] = []
     for sim in events:
         status, feats = eng.process(sim)
         if status != OK or feats is None:
@@ -293,14 +293,17 @@ def evaluate(
     m_decline = recall_at_fpr(scores, y, 0.001)
     r = recall_at_fpr(points, y, 0.01)
     scenarios: dict[str, dict[str, float]] = {}
-    for name in sorted({ev.get("scenario") for ev, _ in rows if ev.get("scenario")}):
+    for name in sorted({scenario for ev, _ in rows if (scenario := ev.get("scenario"))}):
         mask = np.array([ev.get("scenario") == name for ev, _ in rows])
         scenarios[name] = {
             "events": int(mask.sum()),
             "model_recall": round(float((scores[mask] >= m["threshold"]).mean()), 4),
-            "rules_recall": round(float((np.asarray(points)[mask] >= r["threshold"]).mean()), 4)
-            if math.isfinite(r["threshold"]) else 0.0,
-        }  # fmt: skip
+            "rules_recall": (
+                round(float((np.asarray(points)[mask] >= r["threshold"]).mean()), 4)
+                if math.isfinite(r["threshold"])
+                else 0.0
+            ),
+        }
     return {
         "test_events": len(y),
         "test_fraud": int(y.sum()),

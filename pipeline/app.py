@@ -72,10 +72,16 @@ def create_app(settings: Settings) -> faust.App:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     # Faust's worker consumer would otherwise wait up to 1.5 s per fetch (see set_fetch_max_wait)
     set_fetch_max_wait(settings.fetch_max_wait_ms)
-    security: dict[str, Any] = {}
+    # the settings that are there only sometimes, and the web views; a dict[str, Any] because
+    # faust.App takes them as ``**options: Any`` (typed dicts would be matched to its typed parameters)
+    options: dict[str, Any] = dict(WEB_VIEWS_OFF)
+    if settings.static_instance_id:
+        # Faust puts its URL into the group's assignment and checks it when a static member gets its
+        # cached assignment back: keep it stable across restarts (surge routes nothing by it)
+        options["canonical_url"] = f"http://{settings.static_instance_id}.worker"
     credentials = faust_credentials(settings)
     if credentials is not None:
-        security["broker_credentials"] = credentials
+        options["broker_credentials"] = credentials
     return faust.App(
         settings.app_id,
         broker=settings.broker,
@@ -98,13 +104,6 @@ def create_app(settings: Settings) -> faust.App:
         table_standby_replicas=1 if settings.standby_replicas else 0,
         # static membership: a restarted worker gets its partitions back without a rebalance
         consumer_group_instance_id=settings.static_instance_id,
-        # Faust puts its URL into the group's assignment and checks it when a static member gets its
-        # cached assignment back: keep it stable across restarts (surge routes nothing by it)
-        **(
-            {"canonical_url": f"http://{settings.static_instance_id}.worker"}
-            if settings.static_instance_id
-            else {}
-        ),
         # on a rebalance surge drains its own in-flight work (bounded, see agents/worker.py) and
         # never lets Faust wait for every unacked message without a bound
         stream_wait_empty=False,
@@ -116,6 +115,5 @@ def create_app(settings: Settings) -> faust.App:
         broker_rebalance_timeout=max(settings.session_timeout_s, 2 * settings.drain_timeout_s),
         broker_heartbeat_interval=min(3.0, settings.session_timeout_s / 4),
         consumer_max_fetch_size=4 * 1024 * 1024,
-        **WEB_VIEWS_OFF,
-        **security,
+        **options,
     )

@@ -107,9 +107,7 @@ def _from_json(text: str) -> list[ApiKey]:
     except (ValueError, RecursionError) as exc:
         raise ApiKeyConfigError(f"SURGE_API_KEYS looks like JSON but does not parse: {exc}") from exc
     if isinstance(data, dict):
-        rows = [
-            {"key": k, **(v if isinstance(v, dict) else {"tenant": v})} for k, v in data.items()
-        ]  # fmt: skip
+        rows = [{"key": k, **(v if isinstance(v, dict) else {"tenant": v})} for k, v in data.items()]
     elif isinstance(data, list):
         rows = data
     else:

@@ -181,9 +181,12 @@ def cmd_dedup(args: argparse.Namespace) -> int:
     s = _settings()
     thresholds = parse_thresholds(args.thresholds) if args.thresholds else [s.semantic_threshold]
     run_dedup_eval(
-        args.pairs, thresholds, json_out=args.json, embedder_path=s.embedder_path,
+        args.pairs,
+        thresholds,
+        json_out=args.json,
+        embedder_path=s.embedder_path,
         decision=decision_from_settings(s),
-    )  # fmt: skip
+    )
     return 0
 
 

@@ -3,6 +3,10 @@
 Used by ``surge send``, ``surge demo``, the gateway, the benchmarks and the tests. It reads its reply
 topic without a consumer group (all partitions, from the end at start), so many clients can share
 one reply topic; each picks the replies it is waiting for.
+
+:class:`TopicReader` (a group-less reader of one topic) and :class:`ReplyClient` (a producer and the
+reader of its answers, with a future per id) are what every such client shares: this one, the risk
+client (:mod:`pipeline.risk_client`) and the replay's collector (:mod:`pipeline.replay.runner`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Generic, Self, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
@@ -21,57 +25,42 @@ from pipeline.records import InferenceReply, now_ms
 
 log = logging.getLogger("surge.client")
 
+#: what a client waits for: a reply, a decision
+A = TypeVar("A")
 
-class SurgeClient:
-    """Async client of one surge deployment."""
 
-    def __init__(
-        self,
-        bootstrap: str,
-        *,
-        requests_topic: str = "surge.requests",
-        reply_topic: str = "surge.replies",
-        on_reply: Callable[[InferenceReply], None] | None = None,
-        from_beginning: bool = False,
-        keep_replies: bool = True,
-        security: Mapping[str, Any] | None = None,
-    ) -> None:
-        """``security``: aiokafka's TLS/SASL options, :func:`pipeline.kafka_security.client_options`."""
-        self.bootstrap = bootstrap
-        self.requests_topic = requests_topic
-        self.reply_topic = reply_topic
-        self.on_reply = on_reply
+async def partitions_of(consumer: AIOKafkaConsumer, topic: str, tries: int = 30) -> list[int]:
+    """The partitions of ``topic``, sorted; while the consumer's metadata does not know the topic yet
+    it asks the broker again, every 0.1 s, ``tries`` times in all; ``[]`` when it never does."""
+    for _ in range(tries):
+        parts = consumer.partitions_for_topic(topic)
+        if parts:
+            return sorted(parts)
+        await refresh_metadata(consumer)
+        await asyncio.sleep(0.1)
+    return []
+
+
+class TopicReader:
+    """Reads every partition of one topic without a consumer group, so that any number of readers can
+    share the topic and none commits anything: from the topic's end at :meth:`start` (or from its
+    beginning), in a background task that runs :meth:`_read`."""
+
+    #: what the topic is to its reader, for the error when it does not exist
+    topic_kind = "topic"
+
+    def __init__(self, consumer: AIOKafkaConsumer, topic: str, *, from_beginning: bool = False) -> None:
+        self.consumer = consumer
+        self.topic = topic
         self.from_beginning = from_beginning
-        #: keep every reply in ``replies`` (tests, the demo); a long-running gateway turns it off
-        self.keep_replies = keep_replies
-        auth = dict(security or {})
-        self.producer = AIOKafkaProducer(
-            bootstrap_servers=bootstrap, acks="all", linger_ms=2, max_request_size=8 << 20, **auth
-        )
-        self.consumer = AIOKafkaConsumer(
-            bootstrap_servers=bootstrap,
-            enable_auto_commit=False,
-            auto_offset_reset="latest",
-            fetch_max_wait_ms=50,
-            **auth,
-        )
-        self._waiting: dict[str, asyncio.Future[InferenceReply]] = {}
-        self.replies: list[InferenceReply] = []
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        await self.producer.start()
         await self.consumer.start()
-        parts: set[int] | None = None
-        for _ in range(100):
-            parts = self.consumer.partitions_for_topic(self.reply_topic)
-            if parts:
-                break
-            await refresh_metadata(self.consumer)
-            await asyncio.sleep(0.1)
+        parts = await partitions_of(self.consumer, self.topic, tries=100)
         if not parts:
-            raise RuntimeError(f"reply topic {self.reply_topic!r} does not exist")
-        tps = [TopicPartition(self.reply_topic, p) for p in sorted(parts)]
+            raise self._missing_topic()
+        tps = [TopicPartition(self.topic, p) for p in parts]
         self.consumer.assign(tps)
         if self.from_beginning:
             await self.consumer.seek_to_beginning(*tps)
@@ -87,14 +76,102 @@ class SurgeClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self.consumer.stop()
-        await self.producer.stop()
 
-    async def __aenter__(self) -> SurgeClient:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+    def _missing_topic(self) -> Exception:
+        return RuntimeError(f"{self.topic_kind} {self.topic!r} does not exist")
+
+    async def _read(self) -> None:
+        """Read the assigned partitions until cancelled."""
+        raise NotImplementedError
+
+
+class ReplyClient(TopicReader, Generic[A]):
+    """A producer, and the reader of the topic its answers come back on: each answer read resolves
+    the future :meth:`expect` gave out for its id."""
+
+    def __init__(
+        self,
+        producer: AIOKafkaProducer,
+        consumer: AIOKafkaConsumer,
+        topic: str,
+        *,
+        from_beginning: bool = False,
+    ) -> None:
+        super().__init__(consumer, topic, from_beginning=from_beginning)
+        self.producer = producer
+        self._waiting: dict[str, asyncio.Future[A]] = {}
+
+    async def start(self) -> None:
+        await self.producer.start()
+        await super().start()
+
+    async def stop(self) -> None:
+        await super().stop()
+        await self.producer.stop()
+
+    def expect(self, key: str) -> asyncio.Future[A]:
+        """A future for the answer to ``key`` (call before sending)."""
+        fut = self._waiting.get(key)
+        if fut is None:
+            fut = self._waiting[key] = asyncio.get_running_loop().create_future()
+        return fut
+
+    def forget(self, key: str) -> None:
+        """Stop waiting for ``key`` (after a timeout); a late answer is then ignored."""
+        self._waiting.pop(key, None)
+
+    def _answered(self, key: str, answer: A) -> None:
+        fut = self._waiting.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_result(answer)
+
+
+class SurgeClient(ReplyClient[InferenceReply]):
+    """Async client of one surge deployment."""
+
+    topic_kind = "reply topic"
+
+    def __init__(
+        self,
+        bootstrap: str,
+        *,
+        requests_topic: str = "surge.requests",
+        reply_topic: str = "surge.replies",
+        on_reply: Callable[[InferenceReply], None] | None = None,
+        from_beginning: bool = False,
+        keep_replies: bool = True,
+        security: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``security``: aiokafka's TLS/SASL options, :func:`pipeline.kafka_security.client_options`."""
+        auth = dict(security or {})
+        super().__init__(
+            AIOKafkaProducer(
+                bootstrap_servers=bootstrap, acks="all", linger_ms=2, max_request_size=8 << 20, **auth
+            ),
+            AIOKafkaConsumer(
+                bootstrap_servers=bootstrap,
+                enable_auto_commit=False,
+                auto_offset_reset="latest",
+                fetch_max_wait_ms=50,
+                **auth,
+            ),
+            reply_topic,
+            from_beginning=from_beginning,
+        )
+        self.bootstrap = bootstrap
+        self.requests_topic = requests_topic
+        self.reply_topic = reply_topic
+        self.on_reply = on_reply
+        #: keep every reply in ``replies`` (tests, the demo); a long-running gateway turns it off
+        self.keep_replies = keep_replies
+        self.replies: list[InferenceReply] = []
 
     async def _read(self) -> None:
         async for msg in self.consumer:
@@ -107,25 +184,11 @@ class SurgeClient:
                 self.replies.append(reply)
             if self.on_reply is not None:
                 self.on_reply(reply)
-            fut = self._waiting.pop(reply.request_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(reply)
+            self._answered(reply.request_id, reply)
 
     async def send_raw(self, key: bytes | None, value: bytes) -> None:
         """Produce raw bytes to the request topic (for bad-input tests and replays)."""
         await self.producer.send_and_wait(self.requests_topic, value=value, key=key)
-
-    def expect(self, request_id: str) -> asyncio.Future[InferenceReply]:
-        """A future for the reply to ``request_id`` (call before sending)."""
-        fut = self._waiting.get(request_id)
-        if fut is None:
-            fut = asyncio.get_running_loop().create_future()
-            self._waiting[request_id] = fut
-        return fut
-
-    def forget(self, request_id: str) -> None:
-        """Stop waiting for ``request_id`` (after a timeout); a late reply is then ignored."""
-        self._waiting.pop(request_id, None)
 
     async def submit(self, request: dict[str, Any]) -> asyncio.Future[InferenceReply]:
         """Send one request (a dict in the InferenceRequest format); returns the future of its reply."""

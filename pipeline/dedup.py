@@ -48,9 +48,18 @@ DEFAULT_SEMANTIC_THRESHOLD: float = 0.87
 
 #: English filler words and phrases that do not change what is asked; removed as whole words.
 FILLER_PHRASES_EN: tuple[tuple[str, ...], ...] = (
-    ("thank", "you"), ("thank", "u"), ("please",), ("pls",), ("plz",), ("thanks",), ("thx",), ("hi",),
-    ("hello",), ("hey",), ("kindly",),
-)  # fmt: skip
+    ("thank", "you"),
+    ("thank", "u"),
+    ("please",),
+    ("pls",),
+    ("plz",),
+    ("thanks",),
+    ("thx",),
+    ("hi",),
+    ("hello",),
+    ("hey",),
+    ("kindly",),
+)
 
 #: Chinese fillers, removed only at the start of a run of Chinese text (请 inside 申请 must stay).
 FILLER_PREFIXES_ZH: tuple[str, ...] = ("您好", "你好", "请问", "麻烦您", "麻烦你", "请")
@@ -293,10 +302,10 @@ def cluster(
         vector = _unit(vecs[i]) if is_embeddable(text, multilingual) else None
         found = registry.find(scope, text, vector, 0)
         if found is not None:
-            leader, sim = found
-            clusters[leader.leader_id].followers.append(item_ids[i])
-            exact = leader.norm_text == normalize(text)
-            out.append(Assignment(i, item_ids[i], leader.leader_id, False, 1.0 if exact else sim, exact))
+            hit, sim = found
+            clusters[hit.leader_id].followers.append(item_ids[i])
+            exact = hit.norm_text == normalize(text)
+            out.append(Assignment(i, item_ids[i], hit.leader_id, False, 1.0 if exact else sim, exact))
             continue
         new = Cluster(item_ids[i], scope, text, vector)
         registry.open(item_ids[i], scope, text, vector, 0)

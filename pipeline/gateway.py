@@ -133,9 +133,12 @@ class Gateway:
             "surge_gateway_in_flight", "Chat requests admitted and not yet answered", registry=r
         )
         self.client = SurgeClient(
-            settings.bootstrap_servers, requests_topic=self.topics.requests, reply_topic=self.reply_topic,
-            keep_replies=False, security=client_options(settings),
-        )  # fmt: skip
+            settings.bootstrap_servers,
+            requests_topic=self.topics.requests,
+            reply_topic=self.reply_topic,
+            keep_replies=False,
+            security=client_options(settings),
+        )
         self.ready = False
         self.max_body_bytes = settings.max_record_bytes + BODY_SLACK_BYTES
         self.app = web.Application(client_max_size=self.max_body_bytes)
@@ -170,8 +173,11 @@ class Gateway:
             log.warning(
                 "gateway %s has no API keys (SURGE_API_KEYS): every caller is tenant %r, tier %r, "
                 "priority up to %r; configure keys outside development",
-                self.instance_id, ANONYMOUS.tenant, ANONYMOUS.tier, ANONYMOUS.max_priority,
-            )  # fmt: skip
+                self.instance_id,
+                ANONYMOUS.tenant,
+                ANONYMOUS.tier,
+                ANONYMOUS.max_priority,
+            )
         log.info("gateway %s on %s:%d, replies on %s", self.instance_id, host, self.port, self.reply_topic)
         return self.port
 
@@ -242,9 +248,14 @@ class Gateway:
                 ) from exc
             try:
                 call = build_request(
-                    raw, request.headers, settings=self.settings, request_id=request_id, key=key,
-                    reply_to=self.reply_topic, created_at_ms=now_ms(),
-                )  # fmt: skip
+                    raw,
+                    request.headers,
+                    settings=self.settings,
+                    request_id=request_id,
+                    key=key,
+                    reply_to=self.reply_topic,
+                    created_at_ms=now_ms(),
+                )
             except (InvalidRequestError, PermissionDeniedError) as exc:
                 raise HttpError(exc.code, exc.message) from exc
             reply = await self._round_trip(call)
@@ -309,9 +320,13 @@ class Gateway:
                 fut.cancel()
 
     def _finish(
-        self, resp: web.StreamResponse, call: ChatCall | None, reply: InferenceReply | None, t0: float,
+        self,
+        resp: web.StreamResponse,
+        call: ChatCall | None,
+        reply: InferenceReply | None,
+        t0: float,
         error_code: str | None,
-    ) -> web.StreamResponse:  # fmt: skip
+    ) -> web.StreamResponse:
         priority = (reply.priority if reply and reply.priority else None) or (
             call.request.get("priority", "interactive") if call else "none"
         )

@@ -31,7 +31,7 @@ from pipeline.exceptions import InvalidRequestError
 from pipeline.records import InferenceReply, decode_request
 from pipeline.settings import PRIORITIES, TIERS, Settings
 
-#: HTTP status of each error code (DESIGN.md "Error codes", plus the gateway's own)
+#: HTTP status of each error code (docs/architecture.md, "Records", plus the gateway's own)
 STATUS_OF_CODE: dict[str, int] = {
     "invalid_request": 400,
     "invalid_api_key": 401,
@@ -283,15 +283,22 @@ def build_request(
         "model": model or model_name(settings),
     }
     optional = {
-        "priority": priority, "tier": tier, "max_tokens": max_tokens, "temperature": temperature,
-        "logprobs": logprobs, "deadline_ms": deadline_ms, "cache": cache,
-    }  # fmt: skip
+        "priority": priority,
+        "tier": tier,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "logprobs": logprobs,
+        "deadline_ms": deadline_ms,
+        "cache": cache,
+    }
     req.update({k: v for k, v in optional.items() if v is not None})
     # the pipeline's own validation (sizes, ranges), run here so that nothing invalid is produced
     decode_request(
-        json.dumps(req).encode(), None,
-        max_record_bytes=settings.max_record_bytes, max_content_bytes=settings.max_content_bytes,
-    )  # fmt: skip
+        json.dumps(req).encode(),
+        None,
+        max_record_bytes=settings.max_record_bytes,
+        max_content_bytes=settings.max_content_bytes,
+    )
     return ChatCall(
         request=req,
         model=req["model"],

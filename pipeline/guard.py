@@ -43,14 +43,18 @@ import unicodedata
 from dataclasses import dataclass
 from functools import lru_cache
 
+# The tables of pairs and mappings below (antonyms, opposite actions, number, currency and date
+# words) keep ``# fmt: skip``: they are hand-laid-out data, a few pairs or one currency a row, that
+# ruff format would spread to one item a line. The plain word lists are split strings instead.
+
 #: English words that negate; any token ending in ``n't`` also counts.
 NEGATIONS_EN: frozenset[str] = frozenset(
-    {
-        "not", "no", "never", "none", "nothing", "nobody", "nowhere", "neither", "nor", "without",
-        "cannot", "unable", "dont", "didnt", "doesnt", "isnt", "wasnt", "arent", "werent", "cant",
-        "wont", "wouldnt", "couldnt", "shouldnt", "havent", "hasnt", "hadnt", "mustnt", "aint",
-    }
-)  # fmt: skip
+    (
+        "not no never none nothing nobody nowhere neither nor without cannot unable dont didnt "
+        "doesnt isnt wasnt arent werent cant wont wouldnt couldnt shouldnt havent hasnt hadnt "
+        "mustnt aint"
+    ).split()
+)
 
 #: Chinese negating characters, counted wherever they occur (没有 counts through 没, 无法 through 无).
 NEGATIONS_ZH: frozenset[str] = frozenset(
@@ -59,11 +63,12 @@ NEGATIONS_ZH: frozenset[str] = frozenset(
 
 #: Chinese words made with a negating character that do not negate ("very", "whether", "future",
 #: "regardless", "other people" ...); masked out before negations are counted.
-NEGATION_FREE_ZH: tuple[str, ...] = (
-    "非常", "是否", "能否", "可否", "否则", "无论", "不论", "不过", "不仅", "不但", "不断", "未来",
-    "无线", "别人", "别的", "区别", "特别", "分别", "差别", "告别", "识别", "级别", "类别", "性别",
-    "莫名",
-)  # fmt: skip
+NEGATION_FREE_ZH: tuple[str, ...] = tuple(
+    (
+        "非常 是否 能否 可否 否则 无论 不论 不过 不仅 不但 不断 未来 无线 别人 别的 区别 特别 "
+        "分别 差别 告别 识别 级别 类别 性别 莫名"
+    ).split()
+)
 
 #: English antonym pairs by category: vetoed when one text has one side (and not the other) and the
 #: other text the other side. Degree and adverb forms (-er, -est, -ly) and plurals are derived;
@@ -129,14 +134,13 @@ NEGATING_PREFIXES: tuple[str, ...] = ("un", "in", "im", "il", "ir", "dis", "non-
 
 #: Prefixed words whose prefix does not negate, even when the rest is a word ("improve", "inform").
 PREFIX_FALSE_FRIENDS: frozenset[str] = frozenset(
-    {
-        "discover", "disclose", "discount", "dispatch", "display", "dispose", "disposable", "dispute",
-        "discuss", "distance", "district", "improve", "import", "impose", "impress", "inform", "install",
-        "insure", "income", "invest", "invoice", "intend", "inside", "insight", "input", "inflow",
-        "index", "infix", "involve", "impact", "impart", "illegible", "unit", "union", "unite",
-        "until", "under", "understand", "indent", "inbound", "invert", "implant", "impound",
-    }
-)  # fmt: skip
+    (
+        "discover disclose discount dispatch display dispose disposable dispute discuss distance "
+        "district improve import impose impress inform install insure income invest invoice "
+        "intend inside insight input inflow index infix involve impact impart illegible unit "
+        "union unite until under understand indent inbound invert implant impound"
+    ).split()
+)
 
 #: Chinese antonym pairs by category, matched as substrings after masking
 #: :data:`MASKED_COMPOUNDS_ZH`; vetoed like :data:`ANTONYMS_EN`.
@@ -159,15 +163,15 @@ ANTONYMS_ZH: dict[str, tuple[tuple[str, str], ...]] = {
 #: Chinese words in which a character of the lists above does not carry its listed sense (关于 "about",
 #: 多少 "how many", 取消 "cancel", 还是 "or", 开心 "happy", 新闻 "news" ...): masked out before the
 #: antonym and opposite-action characters are matched.
-MASKED_COMPOUNDS_ZH: tuple[str, ...] = (
-    "关于", "关系", "相关", "有关", "关注", "海关", "机关", "开心", "离开", "公开", "开发", "开展",
-    "多少", "至少", "不少", "多久", "大家", "大概", "大约", "大学", "大小", "长短", "小时", "小心",
-    "小姐", "行长", "部长", "成长", "长度", "短信", "快递", "尽快", "愉快", "重新", "重要", "严重",
-    "新闻", "高兴", "好像", "好的", "你好", "您好", "好吗", "只好", "最好", "对于", "对方", "针对",
-    "面对", "对话", "取消", "存在", "还是", "还有", "还没", "还在", "还能", "还要", "还会", "还可",
-    "进行", "出现", "出来", "干净", "明白", "明天", "说明", "证明", "公司", "公里", "老师", "干什么",
-    "多长", "晚饭", "早饭", "左右", "真的", "热情", "进入", "出去", "老板",
-)  # fmt: skip
+MASKED_COMPOUNDS_ZH: tuple[str, ...] = tuple(
+    (
+        "关于 关系 相关 有关 关注 海关 机关 开心 离开 公开 开发 开展 多少 至少 不少 多久 大家 "
+        "大概 大约 大学 大小 长短 小时 小心 小姐 行长 部长 成长 长度 短信 快递 尽快 愉快 重新 "
+        "重要 严重 新闻 高兴 好像 好的 你好 您好 好吗 只好 最好 对于 对方 针对 面对 对话 取消 "
+        "存在 还是 还有 还没 还在 还能 还要 还会 还可 进行 出现 出来 干净 明白 明天 说明 证明 "
+        "公司 公里 老师 干什么 多长 晚饭 早饭 左右 真的 热情 进入 出去 老板"
+    ).split()
+)
 
 #: Opposite actions: a merge is vetoed when the texts' sets of these words differ. Each entry is a
 #: pair of base words; inflections (-s, -es, -ed, -d, -ing, doubled consonants) are derived, irregular

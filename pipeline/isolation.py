@@ -26,6 +26,7 @@ from tenacity import (
     wait_exponential,
     wait_random,
 )
+from tenacity.wait import wait_base
 
 from pipeline.exceptions import ModelError, SettingsError, TransientModelError
 
@@ -109,7 +110,7 @@ def _call_with_retries(
             raise ModelError(f"model returned {n_out} outputs for a batch of {len(sub)}")
         return list(out)
 
-    wait = wait_exponential(
+    wait: wait_base = wait_exponential(
         multiplier=policy.initial_backoff_ms / 1000.0,
         exp_base=policy.multiplier,
         max=policy.max_backoff_ms / 1000.0,
@@ -150,7 +151,8 @@ def run_isolated(
     if not batch:
         return []
     try:
-        return list(_call_with_retries(batch, infer, policy, sleep, on_call))
+        outputs: list[R] = _call_with_retries(batch, infer, policy, sleep, on_call)
+        return [*outputs]
     except TransientModelError as exc:
         err = ModelError(f"model call failed after {policy.attempts} attempts: {exc}")
         err.__cause__ = exc

@@ -552,7 +552,8 @@ class LearnedDecision:
                 "threshold": h.threshold,
                 "cosine_floor": h.cosine_floor,
             }
-        np.savez_compressed(out / WEIGHTS_FILE, **arrays)
+        # numpy's stub types the keyword arrays as its ``allow_pickle`` flag
+        np.savez_compressed(out / WEIGHTS_FILE, **arrays)  # type: ignore[arg-type]
         doc = {
             "format": FORMAT_VERSION,
             "features": list(FEATURES),

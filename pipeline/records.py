@@ -199,7 +199,9 @@ class DeadLetter(BaseModel):
         )
 
 
-def _describe(exc: ValidationError) -> str:
+def describe(exc: ValidationError) -> str:
+    """The first five validation errors of a record, ``field: what is wrong`` each (every decoder's
+    error message)."""
     parts = []
     for err in exc.errors()[:5]:
         loc = ".".join(str(p) for p in err["loc"]) or "record"
@@ -211,10 +213,7 @@ def decode_request(
     raw: bytes | None, key: bytes | None, *, max_record_bytes: int, max_content_bytes: int
 ) -> InferenceRequest:
     """Decode and validate one request record; raises :class:`InvalidRequestError` only."""
-    if raw is None:
-        raise InvalidRequestError("empty record (no value)")
-    if len(raw) > max_record_bytes:
-        raise InvalidRequestError(f"record is {len(raw)} bytes; the limit is {max_record_bytes} bytes")
+    raw = check_size(raw, max_record_bytes, InvalidRequestError)
     try:
         data: Any = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -232,7 +231,7 @@ def decode_request(
     try:
         req = InferenceRequest.model_validate(data)
     except ValidationError as exc:
-        raise InvalidRequestError(f"invalid request: {_describe(exc)}") from exc
+        raise InvalidRequestError(f"invalid request: {describe(exc)}") from exc
     for m in req.chat():
         try:
             size = len(m.content.encode("utf-8"))
@@ -242,23 +241,47 @@ def decode_request(
             ) from exc
         if size > max_content_bytes:
             raise InvalidRequestError(f"content is {size} bytes; the limit is {max_content_bytes} bytes")
-    if key is not None and key.decode("utf-8", "replace") != req.user_id:
-        raise InvalidRequestError(
-            f"record key {key.decode('utf-8', 'replace')!r} differs from user_id {req.user_id!r}; "
-            "key requests by user_id"
-        )
+    check_key(key, "user_id", req.user_id, "requests", InvalidRequestError)
     return req
 
 
-def salvage_ids(raw: bytes | None) -> tuple[str, str, str | None] | None:
-    """``(request_id, user_id, reply_to)`` from a record that failed validation, when readable."""
+def check_size(raw: bytes | None, max_record_bytes: int, error: type[InvalidRequestError]) -> bytes:
+    """``raw``, when a record has a value of at most ``max_record_bytes``; else ``error`` saying so."""
+    if raw is None:
+        raise error("empty record (no value)")
+    if len(raw) > max_record_bytes:
+        raise error(f"record is {len(raw)} bytes; the limit is {max_record_bytes} bytes")
+    return raw
+
+
+def check_key(
+    key: bytes | None, field: str, value: str, records: str, error: type[InvalidRequestError]
+) -> None:
+    """Raise ``error`` when a record's Kafka key is not its ``field`` (``value``): records are keyed by
+    that field, so that one user's (or account's) records share a partition."""
+    if key is not None and key.decode("utf-8", "replace") != value:
+        raise error(
+            f"record key {key.decode('utf-8', 'replace')!r} differs from {field} {value!r}; "
+            f"key {records} by {field}"
+        )
+
+
+def salvage_object(raw: bytes | None) -> dict[str, Any] | None:
+    """The JSON object of a record that failed validation, when it is one and readable (at most 4 MiB):
+    where the salvaged ids of an error reply or decision come from."""
     if not raw or len(raw) > (4 << 20):
         return None
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         return None
-    if not isinstance(data, dict):
+    return data if isinstance(data, dict) else None
+
+
+def salvage_ids(raw: bytes | None) -> tuple[str, str, str | None] | None:
+    """``(request_id, user_id, reply_to)`` from a record that failed validation, when readable."""
+    data = salvage_object(raw)
+    if data is None:
         return None
     rid, uid, reply_to = data.get("request_id"), data.get("user_id"), data.get("reply_to")
     if not (isinstance(rid, str) and isinstance(uid, str) and 0 < len(rid) <= 128 and 0 < len(uid) <= 128):

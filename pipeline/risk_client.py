@@ -9,24 +9,25 @@ several clients can share it; each keeps the decisions of the events it is waiti
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from pipeline.compat import refresh_metadata
+from pipeline.client import ReplyClient
 from pipeline.risk.records import RiskDecision
 from pipeline.risk.rules import Rule
 
 log = logging.getLogger("surge.risk.client")
 
 
-class RiskClient:
+class RiskClient(ReplyClient[RiskDecision]):
     """Async client of one deployment's risk topics."""
+
+    topic_kind = "decision topic"
 
     def __init__(
         self,
@@ -39,53 +40,23 @@ class RiskClient:
         client_options: dict[str, Any] | None = None,
     ) -> None:
         opts = client_options or {}
+        super().__init__(
+            AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=1, **opts),
+            AIOKafkaConsumer(
+                bootstrap_servers=bootstrap,
+                enable_auto_commit=False,
+                auto_offset_reset="latest",
+                fetch_max_wait_ms=20,
+                **opts,
+            ),
+            decisions_topic,
+        )
         self.events_topic = events_topic
         self.decisions_topic = decisions_topic
         self.rules_topic = rules_topic
         self.on_decision = on_decision
-        self.producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=1, **opts)
-        self.consumer = AIOKafkaConsumer(
-            bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="latest",
-            fetch_max_wait_ms=20, **opts,
-        )  # fmt: skip
-        self._waiting: dict[str, asyncio.Future[RiskDecision]] = {}
         #: every decision read, in arrival order, with the monotonic time it arrived
         self.decisions: list[tuple[RiskDecision, float]] = []
-        self._task: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        await self.producer.start()
-        await self.consumer.start()
-        parts: set[int] | None = None
-        for _ in range(100):
-            parts = self.consumer.partitions_for_topic(self.decisions_topic)
-            if parts:
-                break
-            await refresh_metadata(self.consumer)
-            await asyncio.sleep(0.1)
-        if not parts:
-            raise RuntimeError(f"decision topic {self.decisions_topic!r} does not exist")
-        tps = [TopicPartition(self.decisions_topic, p) for p in sorted(parts)]
-        self.consumer.assign(tps)
-        await self.consumer.seek_to_end(*tps)
-        for tp in tps:
-            await self.consumer.position(tp)
-        self._task = asyncio.create_task(self._read())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self.consumer.stop()
-        await self.producer.stop()
-
-    async def __aenter__(self) -> RiskClient:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     async def _read(self) -> None:
         while True:
@@ -101,15 +72,7 @@ class RiskClient:
                     self.decisions.append((d, now))
                     if self.on_decision is not None:
                         self.on_decision(d, now)
-                    fut = self._waiting.pop(d.event_id, None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(d)
-
-    def expect(self, event_id: str) -> asyncio.Future[RiskDecision]:
-        fut = self._waiting.get(event_id)
-        if fut is None:
-            fut = self._waiting[event_id] = asyncio.get_running_loop().create_future()
-        return fut
+                    self._answered(d.event_id, d)
 
     async def send(self, event: dict[str, Any], *, wait: bool = False) -> asyncio.Future[RiskDecision]:
         """Produce one event (keyed by its account); returns the future of its decision."""

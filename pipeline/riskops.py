@@ -13,19 +13,21 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import os
 import shutil
 import sys
-import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline.risk.simulate import SimConfig
+    from pipeline.settings import Settings
 
 #: what a risk worker prints once its rules are read (the demo, the benchmark and the tests wait for it)
 RISK_READY = "surge risk ready"
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     r = sub.add_parser("risk", help="real-time risk scoring: simulate, train, rules, demo")
     rs = r.add_subparsers(dest="risk_command", required=True)
 
@@ -66,7 +68,7 @@ def _sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fraud-scale", type=float, default=1.0, help="multiplies every fraud scenario's rate")
 
 
-def _sim_config(args: argparse.Namespace) -> Any:
+def _sim_config(args: argparse.Namespace) -> SimConfig:
     from pipeline.risk.simulate import SimConfig
 
     return SimConfig(customers=args.customers, days=args.days, seed=args.seed, fraud_scale=args.fraud_scale)
@@ -130,20 +132,26 @@ def cmd_rules(args: argparse.Namespace) -> int:
     async def show() -> RuleBook:
         from aiokafka import AIOKafkaConsumer, TopicPartition
 
+        from pipeline.client import partitions_of
+
         c = AIOKafkaConsumer(
             bootstrap_servers=s.bootstrap_servers, enable_auto_commit=False, **client_options(s)
         )
         await c.start()
         book = RuleBook()
         try:
-            tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or ())]
-            c.assign(tps)
-            await c.seek_to_beginning(*tps)
-            end = await c.end_offsets(tps)
-            while any((await c.position(tp)) < end[tp] for tp in tps):
-                for records in (await c.getmany(timeout_ms=500)).values():
-                    for rec in records:
-                        book.apply(rec.key, rec.value)
+            # a consumer that subscribes to nothing knows no topic until it asks (no topic: no rules)
+            tps = [TopicPartition(topic, p) for p in await partitions_of(c, topic)]
+            if tps:
+                c.assign(tps)
+                await c.seek_to_beginning(*tps)
+                end = await c.end_offsets(tps)
+                # a list, not a generator: with an ``await`` in it a generator is asynchronous, and any()
+                # refuses that
+                while any([await c.position(tp) < end[tp] for tp in tps]):
+                    for records in (await c.getmany(timeout_ms=500)).values():
+                        for rec in records:
+                            book.apply(rec.key, rec.value)
         finally:
             await c.stop()
         return book
@@ -160,8 +168,15 @@ def cmd_rules(args: argparse.Namespace) -> int:
         print(f"published {len(rules)} rules to {topic}")
         return 0
     book = asyncio.run(show())
-    print(json.dumps({"version": book.current.version,
-                      "rules": [r.model_dump(mode="json") for r in book.current.rules]}, indent=2))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "version": book.current.version,
+                "rules": [r.model_dump(mode="json") for r in book.current.rules],
+            },
+            indent=2,
+        )
+    )
     return 0
 
 
@@ -173,13 +188,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=2))
     return 0 if summary["decided"] == summary["sent"] else 1
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    xs = sorted(values)
-    return round(xs[min(len(xs) - 1, int(q / 100 * len(xs)))], 1)
 
 
 def demo_events(n: int, seed: int = 11) -> list[dict[str, Any]]:
@@ -196,52 +204,42 @@ def demo_events(n: int, seed: int = 11) -> list[dict[str, Any]]:
 
 
 async def _drive(
-    settings: Any, events: list[dict[str, Any]], rate: float, quiet: bool, show_all: bool
+    settings: Settings, events: list[dict[str, Any]], rate: float, quiet: bool, show_all: bool
 ) -> dict[str, Any]:
-    from tqdm import tqdm
-
+    from pipeline.devtools.demo import DemoStream
     from pipeline.kafka_security import client_options
+    from pipeline.risk.records import RiskDecision
     from pipeline.risk.simulate import as_event
     from pipeline.risk_client import RiskClient
     from pipeline.topics import TopicNames
 
     t = TopicNames(settings.topic_prefix)
-    sent_at: dict[str, float] = {}
-    latencies: list[float] = []
+    stream = DemoStream(events, "event_id", desc="decided", unit="ev")
     labels = {e["event_id"]: e for e in events}
-    bar = tqdm(total=len(events), desc="decided", unit="ev", dynamic_ncols=True)
 
-    def show(d: Any, arrived: float) -> None:
-        if d.event_id not in sent_at:
-            return
-        latencies.append((arrived - sent_at[d.event_id]) * 1000)
-        bar.update(1)
-        if quiet or (d.decision == "approve" and not show_all):
+    def show(d: RiskDecision, arrived: float) -> None:
+        if not stream.arrived(d.event_id, arrived) or quiet or (d.decision == "approve" and not show_all):
             return
         e = labels[d.event_id]
         truth = f"FRAUD:{e['scenario']}" if e["label"] else "legit"
-        bar.write(
+        stream.bar.write(
             f"{d.decision:>8} {e['type']:<8} {e['account']} {e['amount']:>9.2f} {e['country']} "
             f"[{truth}] score {d.score if d.score is not None else '-'}  {'; '.join(d.reasons[:2])}"
         )
 
     async with RiskClient(
-        settings.bootstrap_servers, events_topic=t.risk_events, decisions_topic=t.risk_decisions,
-        on_decision=show, client_options=client_options(settings),
-    ) as client:  # fmt: skip
-        futs = []
-        start = time.monotonic()
-        for i, e in enumerate(events):
-            delay = start + i / rate - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            sent_at[e["event_id"]] = time.monotonic()
-            futs.append(await client.send(as_event(e)))
-        await client.producer.flush()
-        done, _ = await asyncio.wait(futs, timeout=60)
-        elapsed = time.monotonic() - start
-    bar.close()
-    decisions = [f.result() for f in done]
+        settings.bootstrap_servers,
+        events_topic=t.risk_events,
+        decisions_topic=t.risk_decisions,
+        on_decision=show,
+        client_options=client_options(settings),
+    ) as client:
+
+        async def send(event: dict[str, Any]) -> asyncio.Future[RiskDecision]:
+            return await client.send(as_event(event))
+
+        decisions, elapsed = await stream.send(rate, send, client.producer.flush)
+    stream.bar.close()
     outcome = Counter(d.decision for d in decisions)
     fraud = [d for d in decisions if labels[d.event_id]["label"]]
     caught = sum(1 for d in fraud if d.decision in ("review", "decline"))
@@ -256,7 +254,7 @@ async def _drive(
         "legit_flagged": legit_flagged,
         "rule_versions": sorted({d.rule_version for d in decisions if d.rule_version}),
         "model_versions": sorted({d.model_version for d in decisions if d.model_version}),
-        "latency_ms": {"p50": _percentile(latencies, 50), "p99": _percentile(latencies, 99)},
+        "latency_ms": stream.latency_ms(),
         "events_per_s": round(len(decisions) / elapsed, 1),
         "seconds": round(elapsed, 2),
     }
@@ -266,43 +264,22 @@ def run_risk_demo(
     n: int, rate_per_s: float, data_dir: Path, quiet: bool = False, show_all: bool = False
 ) -> dict[str, Any]:
     """Start Kafka and a risk worker, stream ``n`` simulated events at ``rate_per_s``, stop everything."""
-    from pipeline.devtools.broker import EmbeddedKafka
-    from pipeline.devtools.procs import WorkerProcess
+    from pipeline.devtools.demo import demo_stack
     from pipeline.settings import Settings
 
     # a fresh broker and fresh tables each run: the simulated stream is the same every time, and a
     # second run's events would otherwise be duplicates (or late) for the tables of the first
     shutil.rmtree(data_dir, ignore_errors=True)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    base = Settings()
-    kafka = EmbeddedKafka(data_dir / "kafka", cache_dir=base.kafka_cache_dir, version=base.kafka_version)
-    worker: WorkerProcess | None = None
-    print(f"starting Apache Kafka {base.kafka_version} (KRaft) ...", flush=True)
-    kafka.start()
-    try:
-        env = {
-            "SURGE_BROKER": f"kafka://{kafka.bootstrap}", "SURGE_DATA_DIR": str(data_dir / "tables"),
-            "SURGE_ROLE": "risk", "SURGE_APP_ID": "surge-risk-demo",
-        }  # fmt: skip
-        os.environ.update(env)
+    with demo_stack(data_dir, {"SURGE_ROLE": "risk", "SURGE_APP_ID": "surge-risk-demo"}) as stack:
         settings = Settings()
         from agents.risk import ensure_risk_topics
 
         asyncio.run(ensure_risk_topics(settings))
         events = demo_events(n)
-        print(
-            f"Kafka at {kafka.bootstrap}; starting a risk worker (rules, model, RocksDB tables) ...",
-            flush=True,
-        )
-        worker = WorkerProcess(env, data_dir / "worker.log", role="risk").start()
-        worker.wait_ready(marker=RISK_READY)
+        worker = stack.start_worker("a risk worker (rules, model, RocksDB tables)", "risk", RISK_READY)
         print(f"worker ready; sending {len(events)} simulated events at {rate_per_s:g}/s\n", flush=True)
         summary = asyncio.run(_drive(settings, events, rate_per_s, quiet, show_all))
         summary["worker_log"] = str(worker.log_path)
-    finally:
-        if worker is not None:
-            worker.stop()
-        kafka.stop()
     print(
         f"\nsent {summary['sent']}, decided {summary['decided']} {summary['by_decision']}, late {summary['late']}\n"
         f"fraud events {summary['fraud_events']}, flagged {summary['fraud_flagged']}; "

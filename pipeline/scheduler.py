@@ -579,7 +579,7 @@ class Scheduler:
         demoted: list[QueuedItem] = []
         for e in sorted(late, key=lambda e: e.seq):
             item = e.item
-            lower = item.priority.lower
+            lower = item.priority.next_lower
             if (
                 self.config.deadline_policy[item.priority] is DeadlinePolicy.DELAY
                 and lower is not None

@@ -24,10 +24,14 @@ from pipeline.terms import PRIORITIES, TIERS, Priority
 
 __all__ = ["PRIORITIES", "TIERS", "Settings"]  # PRIORITIES and TIERS: defined in pipeline.terms
 
-_DEADLINES = scheduler.DEFAULT_DEADLINE_MS
 _USERS = ratelimit.DEFAULT_USER_LIMITS
 #: settings whose values never go into an error message
 _SECRET_FIELD = re.compile(r"api_key|password", re.IGNORECASE)
+
+
+def _default_deadline_ms(priority: Priority) -> int:
+    """The scheduler's default deadline of ``priority``; 0 where it has none (offline)."""
+    return scheduler.DEFAULT_DEADLINE_MS[priority] or 0
 
 
 class Settings(BaseSettings):
@@ -165,14 +169,16 @@ class Settings(BaseSettings):
 
     # --- scheduling ------------------------------------------------------------------------------------
     deadline_realtime_ms: int = Field(
-        _DEADLINES[Priority.REALTIME], gt=0, description="real-time deadline from created_at, ms"
+        _default_deadline_ms(Priority.REALTIME), gt=0, description="real-time deadline from created_at, ms"
     )
     deadline_interactive_ms: int = Field(
-        _DEADLINES[Priority.INTERACTIVE], gt=0, description="interactive deadline, ms"
+        _default_deadline_ms(Priority.INTERACTIVE), gt=0, description="interactive deadline, ms"
     )
-    deadline_batch_ms: int = Field(_DEADLINES[Priority.BATCH], gt=0, description="batch deadline, ms")
+    deadline_batch_ms: int = Field(
+        _default_deadline_ms(Priority.BATCH), gt=0, description="batch deadline, ms"
+    )
     deadline_offline_ms: int = Field(
-        _DEADLINES[Priority.OFFLINE] or 0, ge=0, description="offline deadline, ms; 0 = none"
+        _default_deadline_ms(Priority.OFFLINE), ge=0, description="offline deadline, ms; 0 = none"
     )
     deadlines_enabled: bool = Field(
         True,
@@ -220,9 +226,11 @@ class Settings(BaseSettings):
     dedup_enabled: bool = Field(True, description="merge semantically identical waiting/in-flight requests")
     cache_enabled: bool = Field(True, description="serve repeats from the exact and semantic caches")
     semantic_threshold: float = Field(
-        0.92, gt=0, le=1,
+        0.92,
+        gt=0,
+        le=1,
         description="cosine similarity needed to merge under merge_decision=threshold, or for English with a custom embedder",
-    )  # fmt: skip
+    )
     merge_decision: Literal["learned", "threshold"] = Field(
         "learned",
         description="learned: the shipped pair classifier (English with MiniLM, Chinese by characters); "
@@ -426,8 +434,11 @@ class Settings(BaseSettings):
                 f"got username={self.kafka_sasl_username!r} and "
                 f"{'a' if self.kafka_sasl_password else 'no'} password"
             )
-        tls = {"kafka_ssl_cafile": self.kafka_ssl_cafile, "kafka_ssl_certfile": self.kafka_ssl_certfile,
-               "kafka_ssl_keyfile": self.kafka_ssl_keyfile}  # fmt: skip
+        tls = {
+            "kafka_ssl_cafile": self.kafka_ssl_cafile,
+            "kafka_ssl_certfile": self.kafka_ssl_certfile,
+            "kafka_ssl_keyfile": self.kafka_ssl_keyfile,
+        }
         given = [name for name, value in tls.items() if value is not None]
         if given and not proto.endswith("SSL"):
             raise ValueError(

@@ -24,8 +24,9 @@ class Priority(StrEnum):
         return RANK[self]
 
     @property
-    def lower(self) -> Priority | None:
-        """The next lower class, or None for offline."""
+    def next_lower(self) -> Priority | None:
+        """The next lower class (where ``delay`` moves an expired item), or None for offline. Not
+        called ``lower``: that would hide ``str.lower`` of this string enum."""
         i = self.rank + 1
         return _ORDER[i] if i < len(_ORDER) else None
 

@@ -16,10 +16,7 @@ ROOT = ARCHITECTURE.parents[1]
 SCANNED = ("pipeline", "agents", "models", "tests", "deploy", "README.md")
 
 #: files that still cite DESIGN.md (which only some readers have) until their owners update them
-NOT_YET_UPDATED: dict[str, str] = {
-    "pipeline/gateway_format.py": 'DESIGN.md "Error codes" → docs/architecture.md, "Records"',
-    "pipeline/devtools/bench/surge.py": 'DESIGN "Degradation" → docs/architecture.md, "Degradation"',
-}
+NOT_YET_UPDATED: dict[str, str] = {}
 
 _POINTER = re.compile(r'docs/architecture\.md[,:]?\s*\(?\s*"([^"]+)"((?:\s*(?:,|and)\s*"[^"]+")*)')
 

@@ -308,18 +308,17 @@ def test_cache_search_by_decision_vector_and_lexical() -> None:
     cache.put("k-lock", _entry("k-lock", "lock my card", _unit(np.array([0.0, 1.0, 0.0])), now))
     cache.put("k-zh", _entry("k-zh", "我的卡丢了怎么办", None, now))
     dec = _toy_decision()
-    hit = cache.search("s", _unit(np.array([0.98, 0.2, 0.0])), text="how can I top up my card", decision=dec)
+    hit = cache.lookup("-", "s", _unit(np.array([0.98, 0.2, 0.0])), "how can I top up my card", dec)
     assert hit is not None and hit[0].request_id == "k-en"
-    assert cache.search("s", _unit(np.array([0.0, 1.0, 0.0])), text="unlock my card", decision=dec) is None
-    zh = cache.search("s", None, text="我的卡丢了怎么办呢", decision=dec)
+    assert cache.lookup("-", "s", _unit(np.array([0.0, 1.0, 0.0])), "unlock my card", dec) is None
+    zh = cache.lookup("-", "s", None, "我的卡丢了怎么办呢", dec)
     assert zh is not None and zh[0].request_id == "k-zh"
-    assert cache.search("other", None, text="我的卡丢了怎么办呢", decision=dec) is None
-    assert cache.search("s", None, text="我的卡丢了怎么办呢", decision=dec, accept=lambda e: False) is None
-    # old call form still works
-    assert cache.search("s", v, 0.99)[0].request_id == "k-en"
+    assert cache.lookup("-", "other", None, "我的卡丢了怎么办呢", dec) is None
+    # an exact key wins without asking the decision
+    assert cache.lookup("k-lock", "s", None, "anything", dec) == (cache.get_exact("k-lock"), 1.0)
     # a deleted Chinese entry leaves the lexical index
     del cache.store["k-zh"]
-    assert cache.search("s", None, text="我的卡丢了怎么办呢", decision=dec) is None
+    assert cache.lookup("-", "s", None, "我的卡丢了怎么办呢", dec) is None
     assert "k-zh" not in cache._lexical_keys
 
 
@@ -330,9 +329,9 @@ def test_cache_learns_vectorless_chinese_entries_from_other_workers() -> None:
     other = AnswerCache(store, ttl_s=60, max_entries=100, clock_ms=lambda: now)
     other.put("k", _entry("k", "怎么开通网上银行", None, now))
     assert mine.learn("k", store["k"])
-    assert mine.search("s", None, text="怎么开通网上银行呢", decision=_toy_decision()) is not None
+    assert mine.lookup("-", "s", None, "怎么开通网上银行呢", _toy_decision()) is not None
     mine.learn("k", None)
-    assert mine.search("s", None, text="怎么开通网上银行呢", decision=_toy_decision()) is None
+    assert mine.lookup("-", "s", None, "怎么开通网上银行呢", _toy_decision()) is None
 
 
 def test_evaluate_pairs_reports_the_decision_per_language() -> None:

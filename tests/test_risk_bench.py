@@ -10,11 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from models.risk import INPUTS, RiskModel, recall_at_fpr, train, vectorize
+from models.risk import INPUTS, RiskModel, train, vectorize
 from pipeline.devtools.bench import SCENARIOS, run_bench
 from pipeline.devtools.broker import EmbeddedKafka
 from pipeline.risk.features import OK, FeatureEngine
 from pipeline.risk.simulate import SimConfig, simulate
+from pipeline.stats import recall_at_fpr
 
 
 def test_recall_at_fpr_picks_the_strictest_threshold_within_the_rate() -> None:

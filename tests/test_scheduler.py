@@ -103,7 +103,7 @@ def test_priority_order_and_demotion_target() -> None:
     assert list(Priority) == [Priority.REALTIME, Priority.INTERACTIVE, Priority.BATCH, Priority.OFFLINE]
     assert Priority.REALTIME.is_higher_than(Priority.INTERACTIVE)
     assert not Priority.OFFLINE.is_higher_than(Priority.BATCH)
-    assert Priority.BATCH.lower is Priority.OFFLINE and Priority.OFFLINE.lower is None
+    assert Priority.BATCH.next_lower is Priority.OFFLINE and Priority.OFFLINE.next_lower is None
 
 
 def test_make_item_request_deadline_shortens_but_never_lengthens_class_deadline() -> None:

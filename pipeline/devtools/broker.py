@@ -154,9 +154,15 @@ class EmbeddedKafka:
         tmp = work / "libs.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         cmd = [
-            "mvn", "-q", "-B", "-f", str(work / "pom.xml"), "dependency:copy-dependencies",
-            f"-DoutputDirectory={tmp}", "-DincludeScope=runtime",
-        ]  # fmt: skip
+            "mvn",
+            "-q",
+            "-B",
+            "-f",
+            str(work / "pom.xml"),
+            "dependency:copy-dependencies",
+            f"-DoutputDirectory={tmp}",
+            "-DincludeScope=runtime",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
         if proc.returncode != 0 or not any(tmp.glob(f"kafka_2.13-{self.version}.jar")):
             raise BrokerError(
@@ -170,11 +176,17 @@ class EmbeddedKafka:
 
     def _java(self, *args: str) -> list[str]:
         return [
-            "java", f"-Xmx{self.heap_mb}m", f"-Xms{min(self.heap_mb, 256)}m",
-            "-XX:+UseG1GC", "-XX:TieredStopAtLevel=1", "-Djava.awt.headless=true",
+            "java",
+            f"-Xmx{self.heap_mb}m",
+            f"-Xms{min(self.heap_mb, 256)}m",
+            "-XX:+UseG1GC",
+            "-XX:TieredStopAtLevel=1",
+            "-Djava.awt.headless=true",
             f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
-            "-cp", f"{self.libs_dir}/*", *args,
-        ]  # fmt: skip
+            "-cp",
+            f"{self.libs_dir}/*",
+            *args,
+        ]
 
     def _write_config(self, port: int, controller_port: int) -> Path:
         logs = self.data_dir / "logs"
@@ -236,8 +248,11 @@ class EmbeddedKafka:
             return
         proc = subprocess.run(
             self._java("kafka.tools.StorageTool", "format", "-t", _cluster_id(), "-c", str(config)),
-            capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         if proc.returncode != 0:
             raise BrokerError(f"formatting {self.data_dir} failed: {(proc.stdout + proc.stderr)[-2000:]}")
 
@@ -250,9 +265,12 @@ class EmbeddedKafka:
         self.format(config)
         log = open(self.data_dir / "broker.stdout", "ab")
         self.process = subprocess.Popen(
-            self._java("kafka.Kafka", str(config)), stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+            self._java("kafka.Kafka", str(config)),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
         self.state = BrokerState(pid=self.process.pid, port=port, controller_port=cport)
         self.state_path.write_text(json.dumps(self.state.__dict__))

@@ -83,8 +83,8 @@ def _embed_unique(texts: Sequence[str], embed: EmbedFn) -> dict[str, np.ndarray]
     unique = list(dict.fromkeys(texts))
     vectors = np.asarray(embed(unique), dtype=np.float32) if unique else np.zeros((0, 1), np.float32)
     norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-    vectors = vectors / np.where(norms > 0, norms, 1.0)
-    return dict(zip(unique, vectors, strict=True))
+    units = vectors / np.where(norms > 0, norms, 1.0)
+    return dict(zip(unique, units, strict=True))
 
 
 def _rate(hits: np.ndarray, mask: np.ndarray) -> float:
@@ -163,8 +163,13 @@ def evaluate_pairs(
         for t, merged in per_threshold.items():
             unguarded = exact | (embeddable & (sims >= t))
             row: dict[str, Any] = {"threshold": t, **_rates(merged[mask], scores[mask])}
-            row.update({f"unguarded_{k}": v for k, v in _rates(unguarded[mask], scores[mask]).items()
-                        if not k.startswith("wrong_merges")})  # fmt: skip
+            row.update(
+                {
+                    f"unguarded_{k}": v
+                    for k, v in _rates(unguarded[mask], scores[mask]).items()
+                    if not k.startswith("wrong_merges")
+                }
+            )
             rows.append(row)
         out: dict[str, Any] = {
             "pairs": int(mask.sum()),
@@ -412,12 +417,21 @@ def plot_eval(result: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, max(1, len(parts)), figsize=(6 * max(1, len(parts)), 4.5), squeeze=False)
     for ax, (lang, part) in zip(axes[0], parts.items(), strict=False):
         rows = part["thresholds"]
-        ax.plot([r["wrong_merge_rate_below_4"] * 100 for r in rows], [r["merge_rate_paraphrase"] * 100 for r in rows],
-                marker=".", label="cosine threshold + guard")  # fmt: skip
+        ax.plot(
+            [r["wrong_merge_rate_below_4"] * 100 for r in rows],
+            [r["merge_rate_paraphrase"] * 100 for r in rows],
+            marker=".",
+            label="cosine threshold + guard",
+        )
         if "learned" in part:
             r = part["learned"]
-            ax.scatter([r["wrong_merge_rate_below_4"] * 100], [r["merge_rate_paraphrase"] * 100], color="red",
-                       zorder=3, label="learned decision")  # fmt: skip
+            ax.scatter(
+                [r["wrong_merge_rate_below_4"] * 100],
+                [r["merge_rate_paraphrase"] * 100],
+                color="red",
+                zorder=3,
+                label="learned decision",
+            )
         ax.set_title(f"{lang}: {part['pairs']} pairs ({Path(result.get('pairs_file', '')).name})")
         ax.set_xlabel("pairs scored < 4 merged, %")
         ax.set_ylabel("paraphrases (>= 4.5) merged, %")

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
@@ -23,6 +26,8 @@ from pipeline.settings import Settings
 from pipeline.stats import percentile
 from pipeline.terms import PRIORITIES
 from pipeline.topics import TopicNames
+
+R = TypeVar("R")
 
 
 def workload(n: int, seed: int = 7) -> list[dict[str, Any]]:
@@ -49,26 +54,113 @@ def workload(n: int, seed: int = 7) -> list[dict[str, Any]]:
     return out
 
 
+class DemoStream:
+    """The stream of a demo: items sent evenly at a rate, each answer timed from its item's send
+    (monotonic clock) and counted on a progress bar. Both demos (``surge demo``, ``surge risk demo``)
+    run one."""
+
+    def __init__(self, items: Sequence[dict[str, Any]], id_field: str, *, desc: str, unit: str) -> None:
+        self.items = items
+        self.id_field = id_field
+        self.sent_at: dict[str, float] = {}
+        self.latencies_ms: list[float] = []
+        self.bar = tqdm(total=len(items), desc=desc, unit=unit, dynamic_ncols=True)
+
+    def arrived(self, item_id: str, at: float) -> bool:
+        """Time and count the answer to ``item_id``, come at ``at``; False when it answers no item of
+        this stream (a client sees every answer on its topic)."""
+        if item_id not in self.sent_at:
+            return False
+        self.latencies_ms.append((at - self.sent_at[item_id]) * 1000)
+        self.bar.update(1)
+        return True
+
+    async def send(
+        self,
+        rate_per_s: float,
+        send: Callable[[dict[str, Any]], Awaitable[asyncio.Future[R]]],
+        flush: Callable[[], Awaitable[None]],
+        timeout_s: float = 60.0,
+    ) -> tuple[list[R], float]:
+        """Send the items evenly at ``rate_per_s``, flush, and wait up to ``timeout_s`` for their
+        answers: the answers that came, and the seconds from the first send until the wait ended."""
+        futures = []
+        start = time.monotonic()
+        for i, item in enumerate(self.items):
+            delay = start + i / rate_per_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self.sent_at[item[self.id_field]] = time.monotonic()
+            futures.append(await send(item))
+        await flush()
+        done, _ = await asyncio.wait(futures, timeout=timeout_s)
+        elapsed = time.monotonic() - start
+        return [f.result() for f in done], elapsed
+
+    def latency_ms(self) -> dict[str, float | None]:
+        """The median and 99th percentile of the answers' latencies, rounded to 0.1 ms."""
+        return {
+            q: None if (v := percentile(self.latencies_ms, p)) is None else round(v, 1)
+            for q, p in (("p50", 50), ("p99", 99))
+        }
+
+
+@dataclass
+class DemoStack:
+    """The embedded broker of a demo, the environment pointing at it, and the worker started on it."""
+
+    bootstrap: str
+    env: dict[str, str]
+    data_dir: Path
+    worker: WorkerProcess | None = None
+
+    def start_worker(self, what: str, role: str = "all", marker: str | None = None) -> WorkerProcess:
+        """Start ``what`` (``surge worker --role role``) and wait until it logs ``marker``."""
+        print(f"Kafka at {self.bootstrap}; starting {what} ...", flush=True)
+        self.worker = WorkerProcess(self.env, self.data_dir / "worker.log", role=role).start()
+        self.worker.wait_ready(marker=marker)
+        return self.worker
+
+
+@contextlib.contextmanager
+def demo_stack(data_dir: Path, env: Mapping[str, str] | None = None) -> Iterator[DemoStack]:
+    """Start an embedded broker under ``data_dir`` and point this process's environment at it
+    (``SURGE_BROKER``, ``SURGE_DATA_DIR``, then ``env``); on the way out the worker started with
+    :meth:`DemoStack.start_worker` stops, then the broker."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    base = Settings()
+    kafka = EmbeddedKafka(data_dir / "kafka", cache_dir=base.kafka_cache_dir, version=base.kafka_version)
+    print(f"starting Apache Kafka {base.kafka_version} (KRaft) ...", flush=True)
+    kafka.start()
+    own = {"SURGE_BROKER": f"kafka://{kafka.bootstrap}", "SURGE_DATA_DIR": str(data_dir / "tables")}
+    stack = DemoStack(kafka.bootstrap, {**own, **(env or {})}, data_dir)
+    try:
+        os.environ.update(stack.env)
+        yield stack
+    finally:
+        if stack.worker is not None:
+            stack.worker.stop()
+        kafka.stop()
+
+
 async def _drive(settings: Settings, n: int, rate_per_s: float, quiet: bool) -> dict[str, Any]:
     topics = TopicNames(settings.topic_prefix)
     requests = workload(n)
-    sent_at: dict[str, float] = {}
-    latencies: list[float] = []
-    bar = tqdm(total=n, desc="answered", unit="req", dynamic_ncols=True)
+    stream = DemoStream(requests, "request_id", desc="answered", unit="req")
     questions = {r["request_id"]: r for r in requests}
 
     def on_reply(reply: InferenceReply) -> None:
-        if reply.request_id not in sent_at:
-            return
-        latencies.append((time.perf_counter() - sent_at[reply.request_id]) * 1000)
-        bar.update(1)
-        if not quiet:
+        if stream.arrived(reply.request_id, time.monotonic()) and not quiet:
             q = questions[reply.request_id]
+            error = reply.error
             what = (
-                reply.answer if reply.status == "ok" else f"ERROR {reply.error.code}: {reply.error.message}"
-            )  # type: ignore[union-attr]
-            bar.write(
-                f"{q['priority']:>11} {q['user_id']:<6} [{reply.served_from or '-':>8} {latencies[-1]:6.0f} ms] "
+                reply.answer
+                if reply.status == "ok" or error is None
+                else f"ERROR {error.code}: {error.message}"
+            )
+            took = stream.latencies_ms[-1]
+            stream.bar.write(
+                f"{q['priority']:>11} {q['user_id']:<6} [{reply.served_from or '-':>8} {took:6.0f} ms] "
                 f"Q: {q['prompt']}\n{'':>20}A: {what}"
             )
 
@@ -78,19 +170,8 @@ async def _drive(settings: Settings, n: int, rate_per_s: float, quiet: bool) -> 
         reply_topic=topics.replies,
         on_reply=on_reply,
     ) as client:
-        futs = []
-        start = time.perf_counter()
-        for i, req in enumerate(requests):
-            delay = start + i / rate_per_s - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            sent_at[req["request_id"]] = time.perf_counter()
-            futs.append(await client.submit(req))
-        await client.producer.flush()
-        done, _ = await asyncio.wait(futs, timeout=60)
-        elapsed = time.perf_counter() - start
-    bar.close()
-    replies = [f.result() for f in done]
+        replies, elapsed = await stream.send(rate_per_s, client.submit, client.producer.flush)
+    stream.bar.close()
     errors = Counter(r.error.code for r in replies if r.error is not None)
     return {
         "sent": n,
@@ -98,41 +179,21 @@ async def _drive(settings: Settings, n: int, rate_per_s: float, quiet: bool) -> 
         "ok": sum(r.status == "ok" for r in replies),
         "errors": dict(errors),
         "served_from": dict(Counter(r.served_from for r in replies if r.served_from)),
-        "latency_ms": {q: _ms(percentile(latencies, p)) for q, p in (("p50", 50), ("p99", 99))},
+        "latency_ms": stream.latency_ms(),
         "requests_per_s": round(len(replies) / elapsed, 1),
         "seconds": round(elapsed, 2),
     }
 
 
-def _ms(value: float | None) -> float | None:
-    return None if value is None else round(value, 1)
-
-
 def run_demo(n: int, rate_per_s: float, data_dir: Path, quiet: bool = False) -> dict[str, Any]:
     """Start Kafka and a worker, stream ``n`` questions at ``rate_per_s``, stop everything; the summary."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    base = Settings()
-    kafka = EmbeddedKafka(data_dir / "kafka", cache_dir=base.kafka_cache_dir, version=base.kafka_version)
-    worker: WorkerProcess | None = None
-    print(f"starting Apache Kafka {base.kafka_version} (KRaft) ...", flush=True)
-    kafka.start()
-    try:
-        env = {"SURGE_BROKER": f"kafka://{kafka.bootstrap}", "SURGE_DATA_DIR": str(data_dir / "tables")}
-        os.environ.update(env)
+    with demo_stack(data_dir) as stack:
         settings = Settings()
         asyncio.run(ensure_topics(settings))
-        print(
-            f"Kafka at {kafka.bootstrap}; starting a worker (FAQ answerer, MiniLM embedder) ...", flush=True
-        )
-        worker = WorkerProcess(env, data_dir / "worker.log").start()
-        worker.wait_ready()
+        worker = stack.start_worker("a worker (FAQ answerer, MiniLM embedder)")
         print(f"worker ready; sending {n} questions at {rate_per_s:g}/s\n", flush=True)
         summary = asyncio.run(_drive(settings, n, rate_per_s, quiet))
         summary["worker_log"] = str(worker.log_path)
-    finally:
-        if worker is not None:
-            worker.stop()
-        kafka.stop()
     print(
         f"\nsent {summary['sent']}, answered {summary['answered']} (ok {summary['ok']}, errors {summary['errors']}), "
         f"served from {summary['served_from']}\n"

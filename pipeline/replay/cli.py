@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     r = sub.add_parser(
         "replay",
         help="replay recorded topic history through another model or settings, and compare with live",
@@ -16,20 +17,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "that share of live traffic to a candidate instead (as `surge shadow`).",
     )
     r.add_argument("--topic", choices=["requests", "risk-events"], default="requests")
-    r.add_argument("--from", dest="from_", default=None,
-                   help="start: epoch ms, ISO 8601 (UTC without a zone), or a time ago: now-2h (or --from=-2h)")  # fmt: skip
+    r.add_argument(
+        "--from",
+        dest="from_",
+        default=None,
+        help="start: epoch ms, ISO 8601 (UTC without a zone), or a time ago: now-2h (or --from=-2h)",
+    )
     r.add_argument("--to", default="now", help="end (exclusive), same forms; default now")
     _common(r)
-    r.add_argument("--labels", default=None, help="risk-events: JSON lines with event_id and label "
-                   "(surge risk simulate) for recall at 1 %% false positives")  # fmt: skip
+    r.add_argument(
+        "--labels",
+        default=None,
+        help="risk-events: JSON lines with event_id and label "
+        "(surge risk simulate) for recall at 1 %% false positives",
+    )
     r.add_argument(
         "--no-warmup",
         action="store_true",
         help="risk-events: do not warm features from the 24 h before --from",
     )
     r.add_argument("--keep-topics", action="store_true", help="keep the replay's topics afterwards")
-    r.add_argument("--shadow", type=float, default=None, metavar="PERCENT",
-                   help="mirror PERCENT of live requests to the candidate instead of replaying a range")  # fmt: skip
+    r.add_argument(
+        "--shadow",
+        type=float,
+        default=None,
+        metavar="PERCENT",
+        help="mirror PERCENT of live requests to the candidate instead of replaying a range",
+    )
     r.add_argument("--duration-s", type=float, default=None, help="--shadow: stop after this long")
     r.set_defaults(fn=cmd_replay)
 
@@ -51,13 +65,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=["faq", "hf", "remote", "echo"], default=None,
-                   help="the candidate model (default: the live one, SURGE_MODEL)")  # fmt: skip
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="a setting of the candidate (field or SURGE_ name); repeatable")  # fmt: skip
-    p.add_argument("--caches", choices=["exact", "off", "live"], default="exact",
-                   help="exact (default): exact repeats from the cache, empty at start; off: every request asks "
-                   "the model; live: caches and merging as live (answers of paraphrases then depend on timing)")  # fmt: skip
+    p.add_argument(
+        "--model",
+        choices=["faq", "hf", "remote", "echo"],
+        default=None,
+        help="the candidate model (default: the live one, SURGE_MODEL)",
+    )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of the candidate (field or SURGE_ name); repeatable",
+    )
+    p.add_argument(
+        "--caches",
+        choices=["exact", "off", "live"],
+        default="exact",
+        help="exact (default): exact repeats from the cache, empty at start; off: every request asks "
+        "the model; live: caches and merging as live (answers of paraphrases then depend on timing)",
+    )
     p.add_argument("--id", default=None, help="the replay's id (default: time and a random token)")
     p.add_argument("--out", default=None, help="folder of the report, plot, worker log and state")
     p.add_argument(
@@ -73,6 +101,19 @@ def _sets(items: list[str]) -> dict[str, str]:
     return parse_sets(items, list(Settings.model_fields))
 
 
+def _candidate(args: argparse.Namespace) -> dict[str, Any]:
+    """The fields of :class:`pipeline.replay.runner.CandidateOptions`, from the flags ``surge replay``
+    and ``surge shadow`` share."""
+    return {
+        "model": args.model,
+        "sets": _sets(args.sets),
+        "caches": args.caches,
+        "out_dir": Path(args.out) if args.out else None,
+        "rate_per_s": args.rate,
+        "quiet": args.quiet,
+    }
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     if args.shadow is not None:
         args.percent, args.delete_topics, args.window = args.shadow, False, 10_000
@@ -85,11 +126,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise ReplayError("--from is required (or --shadow PERCENT)")
     now = now_ms()
     opts = runner.ReplayOptions(
-        topic=args.topic, from_ms=parse_time(args.from_, now), to_ms=parse_time(args.to, now), model=args.model,
-        sets=_sets(args.sets), caches=args.caches, out_dir=Path(args.out) if args.out else None,
-        replay_id=args.id, keep_topics=args.keep_topics, labels_path=Path(args.labels) if args.labels else None,
-        rate_per_s=args.rate, warmup=not args.no_warmup, quiet=args.quiet,
-    )  # fmt: skip
+        topic=args.topic,
+        from_ms=parse_time(args.from_, now),
+        to_ms=parse_time(args.to, now),
+        replay_id=args.id,
+        keep_topics=args.keep_topics,
+        labels_path=Path(args.labels) if args.labels else None,
+        warmup=not args.no_warmup,
+        **_candidate(args),
+    )
     runner.run(opts)
     return 0
 
@@ -98,9 +143,12 @@ def cmd_shadow(args: argparse.Namespace) -> int:
     from pipeline.replay import shadow
 
     opts = shadow.ShadowOptions(
-        percent=args.percent, model=args.model, sets=_sets(args.sets), caches=args.caches,
-        out_dir=Path(args.out) if args.out else None, shadow_id=args.id, duration_s=args.duration_s,
-        delete_topics=args.delete_topics, window=args.window, rate_per_s=args.rate, quiet=args.quiet,
-    )  # fmt: skip
+        percent=args.percent,
+        shadow_id=args.id,
+        duration_s=args.duration_s,
+        delete_topics=args.delete_topics,
+        window=args.window,
+        **_candidate(args),
+    )
     shadow.run(opts)
     return 0

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
-from pipeline.stats import latency_summary, percentile
+from pipeline.stats import latency_summary, percentile, recall_at_fpr
 
 #: the causes a request difference is put down to, in the order they are tried
 REQUEST_CAUSES: dict[str, str] = {
@@ -48,6 +48,9 @@ RISK_CAUSES: dict[str, str] = {
 }
 EXAMPLES = 20
 EDIT_CAP = 4000
+
+K = TypeVar("K", bound=Hashable)
+Record = Mapping[str, Any]
 
 
 def edit_distance(a: str, b: str) -> int:
@@ -162,9 +165,64 @@ def _short(reply: Mapping[str, Any] | None) -> dict[str, Any] | None:
         return None
     keep = ("status", "answer", "error", "served_from", "degradation_level", "model_version", "finish_reason")
     out = {k: reply.get(k) for k in keep if reply.get(k) is not None}
-    if isinstance(out.get("answer"), str) and len(out["answer"]) > 200:
-        out["answer"] = out["answer"][:200] + "..."
+    answer = out.get("answer")
+    if isinstance(answer, str) and len(answer) > 200:
+        out["answer"] = answer[:200] + "..."
     return out
+
+
+class _Join(Generic[K]):
+    """Each replayed key once, in order, with its live and its replayed record (None where there is
+    none). Counts what is missing on either side and collects both sides' latencies as it goes: the
+    live one from the record's ``timings`` (``live_latency_field``), the replay's as measured."""
+
+    def __init__(
+        self,
+        expected: Sequence[K],
+        live: Mapping[K, Record],
+        replay: Mapping[K, Record],
+        replay_latency_ms: Mapping[K, float] | None,
+        live_latency_field: str,
+    ) -> None:
+        self.expected, self.live, self.replay = expected, live, replay
+        self.latency = replay_latency_ms or {}
+        self.live_latency_field = live_latency_field
+        self.replayed = self.joined = self.missing_live = self.missing_replay = 0
+        self.live_latency_ms: list[float] = []
+        self.replay_latency_ms: list[float] = []
+
+    def __iter__(self) -> Iterator[tuple[K, Record | None, Record | None]]:
+        for key in dict.fromkeys(self.expected):
+            old, new = self.live.get(key), self.replay.get(key)
+            self.replayed += 1
+            if new is None:
+                self.missing_replay += 1
+            elif key in self.latency:
+                self.replay_latency_ms.append(float(self.latency[key]))
+            if old is None:
+                self.missing_live += 1
+            else:
+                took = (old.get("timings") or {}).get(self.live_latency_field)
+                if took is not None:
+                    self.live_latency_ms.append(float(took))
+            self.joined += old is not None and new is not None
+            yield key, old, new
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "replayed": self.replayed,
+            "joined": self.joined,
+            "missing_live": self.missing_live,
+            "missing_replay": self.missing_replay,
+        }
+
+
+def _by_cause(causes: Counter[str], table: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """How many differences each cause explains, and what each means (those that occurred only)."""
+    return {
+        "differences_by_cause": {c: causes[c] for c in table if causes.get(c)},
+        "causes": {c: table[c] for c in table if causes.get(c)},
+    }
 
 
 def compare_requests(
@@ -176,8 +234,8 @@ def compare_requests(
     changed: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The report of replayed requests ``expected`` (``(user_id, request_id)``) against ``live``."""
-    lat = replay_latency_ms or {}
-    joined = same = same_answer_text = both_ok = comparable = comparable_same = 0
+    join = _Join(expected, live, replay, replay_latency_ms, "total_ms")
+    same = same_answer_text = both_ok = comparable = comparable_same = 0
     distances: list[float] = []
     shifts: Counter[str] = Counter()
     causes: Counter[str] = Counter()
@@ -185,33 +243,15 @@ def compare_requests(
     live_status: Counter[str] = Counter()
     new_status: Counter[str] = Counter()
     versions: dict[str, Counter[str]] = {"live": Counter(), "replay": Counter()}
-    live_lat: list[float] = []
-    new_lat: list[float] = []
-    missing_live = missing_replay = 0
-    seen: set[tuple[str, str]] = set()
-    for key in expected:
-        if key in seen:
-            continue
-        seen.add(key)
-        old, new = live.get(key), replay.get(key)
+    for key, old, new in join:
         if new is not None:
             new_status[_code(new) or str(new.get("status"))] += 1
             versions["replay"][str(new.get("model_version"))] += 1
-            if key in lat:
-                new_lat.append(float(lat[key]))
-        else:
-            missing_replay += 1
         if old is not None:
             live_status[_code(old) or str(old.get("status"))] += 1
             versions["live"][str(old.get("model_version"))] += 1
-            total = (old.get("timings") or {}).get("total_ms")
-            if total is not None:
-                live_lat.append(float(total))
-        else:
-            missing_live += 1
         if old is None or new is None:
             continue
-        joined += 1
         shifts[f"{old.get('served_from') or 'none'}->{new.get('served_from') or 'none'}"] += 1
         if old.get("status") == new.get("status") == "ok":
             both_ok += 1
@@ -237,18 +277,13 @@ def compare_requests(
                     "replay": _short(new),
                 }
             )
-    differing = joined - same
+    differing = join.joined - same
     return {
         "kind": "requests",
-        "counts": {
-            "replayed": len(seen),
-            "joined": joined,
-            "missing_live": missing_live,
-            "missing_replay": missing_replay,
-        },
+        "counts": join.counts(),
         "agreement": {
             "same_outcome": same,
-            "rate": _rate(same, joined),
+            "rate": _rate(same, join.joined),
             "differing": differing,
             "explained": differing - causes.get("unexplained", 0),
             "unexplained": causes.get("unexplained", 0),
@@ -266,15 +301,18 @@ def compare_requests(
         "served_from_shift": dict(sorted(shifts.items())),
         "status": {"live": dict(sorted(live_status.items())), "replay": dict(sorted(new_status.items()))},
         "model_versions": {k: dict(v) for k, v in versions.items()},
-        "differences_by_cause": {c: causes[c] for c in REQUEST_CAUSES if causes.get(c)},
-        "causes": {c: REQUEST_CAUSES[c] for c in REQUEST_CAUSES if causes.get(c)},
+        **_by_cause(causes, REQUEST_CAUSES),
         "examples": examples,
         "latency_ms": {
-            "live_created_to_reply": latency_summary(live_lat),
-            "replay_copy_to_reply": latency_summary(new_lat),
+            "live_created_to_reply": latency_summary(join.live_latency_ms),
+            "replay_copy_to_reply": latency_summary(join.replay_latency_ms),
         },
         "changed_settings": list(changed),
-        "_series": {"edit_distance": distances, "live_latency_ms": live_lat, "replay_latency_ms": new_lat},
+        "_series": {
+            "edit_distance": distances,
+            "live_latency_ms": join.live_latency_ms,
+            "replay_latency_ms": join.replay_latency_ms,
+        },
     }
 
 
@@ -309,10 +347,11 @@ def risk_cause(live: Mapping[str, Any], new: Mapping[str, Any], changed: Sequenc
 def _recall(
     decisions: Mapping[str, Mapping[str, Any]], labels: Mapping[str, int], keys: Sequence[str]
 ) -> dict[str, float] | None:
-    from models.risk import recall_at_fpr
-
-    rows = [(float(decisions[k]["score"]), int(labels[k])) for k in keys
-            if k in labels and decisions.get(k, {}).get("score") is not None]  # fmt: skip
+    rows = [
+        (float(decisions[k]["score"]), int(labels[k]))
+        for k in keys
+        if k in labels and decisions.get(k, {}).get("score") is not None
+    ]
     if not rows or len({y for _, y in rows}) < 2:
         return None
     got = recall_at_fpr([s for s, _ in rows], [y for _, y in rows], 0.01)
@@ -329,31 +368,16 @@ def compare_risk(
     changed: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The report of replayed risk events ``expected`` (event ids) against ``live`` decisions."""
-    lat = replay_latency_ms or {}
+    join = _Join(expected, live, replay, replay_latency_ms, "produce_to_decision_ms")
     flips: Counter[str] = Counter()
     causes: Counter[str] = Counter()
     features: Counter[str] = Counter()
     deltas: list[float] = []
     signed: list[float] = []
     examples: list[dict[str, Any]] = []
-    live_lat: list[float] = []
-    new_lat: list[float] = []
     joined_keys: list[str] = []
-    same = identical = missing_live = missing_replay = 0
-    seen: set[str] = set()
-    for key in expected:
-        if key in seen:
-            continue
-        seen.add(key)
-        old, new = live.get(key), replay.get(key)
-        missing_live += old is None
-        missing_replay += new is None
-        if new is not None and key in lat:
-            new_lat.append(float(lat[key]))
-        if old is not None:
-            t = (old.get("timings") or {}).get("produce_to_decision_ms")
-            if t is not None:
-                live_lat.append(float(t))
+    same = identical = 0
+    for key, old, new in join:
         if old is None or new is None:
             continue
         joined_keys.append(key)
@@ -385,16 +409,11 @@ def compare_risk(
                     "features_differ": mismatched[:10],
                 }
             )
-    joined = len(joined_keys)
+    joined = join.joined
     flipped_n = sum(n for k, n in flips.items() if k.split("->")[0] != k.split("->")[1])
     report: dict[str, Any] = {
         "kind": "risk-events",
-        "counts": {
-            "replayed": len(seen),
-            "joined": joined,
-            "missing_live": missing_live,
-            "missing_replay": missing_replay,
-        },
+        "counts": join.counts(),
         "agreement": {
             "same_decision": same,
             "rate": _rate(same, joined),
@@ -405,15 +424,18 @@ def compare_risk(
         "decision_flips": dict(sorted(flips.items())),
         "score_delta": {"abs": _dist(deltas), "signed_mean": _dist(signed)["mean"], "pairs": len(deltas)},
         "feature_mismatches": dict(features.most_common()),
-        "differences_by_cause": {c: causes[c] for c in RISK_CAUSES if causes.get(c)},
-        "causes": {c: RISK_CAUSES[c] for c in RISK_CAUSES if causes.get(c)},
+        **_by_cause(causes, RISK_CAUSES),
         "examples": examples,
         "latency_ms": {
-            "live_produce_to_decision": latency_summary(live_lat),
-            "replay_copy_to_decision": latency_summary(new_lat),
+            "live_produce_to_decision": latency_summary(join.live_latency_ms),
+            "replay_copy_to_decision": latency_summary(join.replay_latency_ms),
         },
         "changed_settings": list(changed),
-        "_series": {"score_delta": signed, "live_latency_ms": live_lat, "replay_latency_ms": new_lat},
+        "_series": {
+            "score_delta": signed,
+            "live_latency_ms": join.live_latency_ms,
+            "replay_latency_ms": join.replay_latency_ms,
+        },
     }
     if labels:
         report["recall_at_1pct_fpr"] = {

@@ -26,10 +26,19 @@ SOURCES = ("requests", "risk-events")
 #: from live traffic
 IDENTITY_KEYS = frozenset(
     {
-        "broker", "app_id", "topic_prefix", "data_dir", "role", "web_port", "reply_topic_pattern",
-        "static_membership", "group_instance_id", "worker_id", "partitions",
+        "broker",
+        "app_id",
+        "topic_prefix",
+        "data_dir",
+        "role",
+        "web_port",
+        "reply_topic_pattern",
+        "static_membership",
+        "group_instance_id",
+        "worker_id",
+        "partitions",
     }
-)  # fmt: skip
+)
 #: what a replay (and a shadow) changes by default, and why (docs/architecture.md, "Replay"):
 #: deadlines off (an old request must not expire because it is old), degradation off (its level
 #: depends on how fast the replay runs): with the cache mode below, every answer is then a function

@@ -37,7 +37,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 from tqdm import tqdm
 
-from pipeline.compat import refresh_metadata
+from pipeline.client import TopicReader, partitions_of
 from pipeline.devtools.broker import free_port
 from pipeline.devtools.deployment import load_settings
 from pipeline.devtools.procs import WorkerProcess
@@ -54,25 +54,63 @@ log = logging.getLogger("surge.replay")
 READY = {"all": "surge worker ready", "risk": "surge risk ready"}
 
 
+@dataclass(kw_only=True)
+class CandidateOptions:
+    """The candidate worker a replay or a shadow runs, and how it is fed: what ``surge replay`` and
+    ``surge shadow`` are both asked."""
+
+    #: the candidate's model (None: the live one)
+    model: str | None = None
+    #: candidate settings by field name (``--set``)
+    sets: dict[str, str] = field(default_factory=dict)
+    #: a cache mode of :data:`pipeline.replay.plan.CACHE_MODES`
+    caches: str = "exact"
+    out_dir: Path | None = None
+    #: records/s copied at most (None: ``SURGE_REPLAY_RATE_PER_S``)
+    rate_per_s: float | None = None
+    quiet: bool = False
+    #: how long to wait for the worker to be ready, seconds
+    start_timeout_s: float = 300.0
+
+    def rate(self, s: Settings) -> float:
+        """Records/s the copy runs at most (0: no limit)."""
+        return s.replay_rate_per_s if self.rate_per_s is None else self.rate_per_s
+
+    def changed(self, s: Settings) -> list[str]:
+        """The settings in which the candidate differs from the live settings ``s``."""
+        return plan.changed_settings(self.model, s.model, self.sets)
+
+    def worker_env(
+        self, s: Settings, names: ReplayNames, out_dir: Path, *, partitions: int, role: str
+    ) -> dict[str, str]:
+        """The candidate worker's environment: its own names, state folder under ``out_dir`` and web
+        port, the live settings ``s``, this model, cache mode and ``--set`` settings."""
+        env = plan.worker_env(
+            names,
+            broker=s.broker,
+            data_dir=str((out_dir / "state").absolute()),
+            partitions=partitions,
+            role=role,
+            model=self.model,
+            sets=self.sets,
+            caches=self.caches,
+            live=live_settings_env(s),
+        )
+        env["SURGE_WEB_PORT"] = str(free_port())
+        return env
+
+
 @dataclass
-class ReplayOptions:
+class ReplayOptions(CandidateOptions):
     """What ``surge replay`` was asked to do."""
 
     topic: str
     from_ms: int
     to_ms: int
-    model: str | None = None
-    sets: dict[str, str] = field(default_factory=dict)
-    caches: str = "exact"
-    out_dir: Path | None = None
     replay_id: str | None = None
     keep_topics: bool = False
     labels_path: Path | None = None
-    rate_per_s: float | None = None
     warmup: bool = True
-    quiet: bool = False
-    #: how long to wait for the worker to be ready, seconds
-    start_timeout_s: float = 300.0
 
 
 @dataclass
@@ -85,22 +123,17 @@ class ReplayResult:
     replies: dict[Any, dict[str, Any]]
 
 
-def _consumer(s: Settings, **kw: Any) -> AIOKafkaConsumer:
+def groupless_consumer(s: Settings, **kw: Any) -> AIOKafkaConsumer:
     """A consumer with no group: it reads assigned partitions and never commits anything."""
     return AIOKafkaConsumer(
-        bootstrap_servers=s.bootstrap_servers, group_id=None, enable_auto_commit=False,
-        fetch_max_wait_ms=50, max_partition_fetch_bytes=4 << 20, **client_options(s), **kw,
-    )  # fmt: skip
-
-
-async def partitions_of(consumer: AIOKafkaConsumer, topic: str, tries: int = 30) -> list[int]:
-    for _ in range(tries):
-        parts = consumer.partitions_for_topic(topic)
-        if parts:
-            return sorted(parts)
-        await refresh_metadata(consumer)
-        await asyncio.sleep(0.1)
-    return []
+        bootstrap_servers=s.bootstrap_servers,
+        group_id=None,
+        enable_auto_commit=False,
+        fetch_max_wait_ms=50,
+        max_partition_fetch_bytes=4 << 20,
+        **client_options(s),
+        **kw,
+    )
 
 
 async def locate(
@@ -150,7 +183,7 @@ async def read_ranges(consumer: AIOKafkaConsumer, topic: str, ranges: Iterable[P
 
 async def read_since(s: Settings, topics: Iterable[str], since_ms: int) -> list[Any]:
     """Every record of ``topics`` with a timestamp from ``since_ms`` on (those that exist), no group."""
-    consumer = _consumer(s)
+    consumer = groupless_consumer(s)
     await consumer.start()
     out: list[Any] = []
     try:
@@ -182,8 +215,11 @@ async def create_own_topics(
     await admin.start()
     try:
         existing = set(await admin.list_topics())
-        new = [NewTopic(n, partitions, s.replication_factor, topic_configs=dict(c)) for n, c in topics.items()
-               if n not in existing]  # fmt: skip
+        new = [
+            NewTopic(n, partitions, s.replication_factor, topic_configs=dict(c))
+            for n, c in topics.items()
+            if n not in existing
+        ]
         if new:
             with contextlib.suppress(TopicAlreadyExistsError):
                 await admin.create_topics(new)
@@ -204,32 +240,25 @@ async def delete_own_topics(s: Settings, names: ReplayNames) -> list[str]:
         await admin.close()
 
 
-class Collector:
+class Collector(TopicReader):
     """Reads an output topic of the replay from the beginning (no group), keeping each key's first
     record and when it arrived (monotonic seconds)."""
 
+    topic_kind = "output topic"
+
     def __init__(self, s: Settings, topic: str, key_of: Callable[[dict[str, Any]], Any]) -> None:
+        super().__init__(groupless_consumer(s, auto_offset_reset="earliest"), topic, from_beginning=True)
         self.s = s
-        self.topic = topic
         self.key_of = key_of
         self.records: dict[Any, dict[str, Any]] = {}
         self.arrived: dict[Any, float] = {}
         self.changed = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._consumer = _consumer(s, auto_offset_reset="earliest")
 
-    async def start(self) -> None:
-        await self._consumer.start()
-        parts = await partitions_of(self._consumer, self.topic, tries=100)
-        if not parts:
-            raise ReplayError(f"output topic {self.topic!r} does not exist")
-        tps = [TopicPartition(self.topic, p) for p in parts]
-        self._consumer.assign(tps)
-        await self._consumer.seek_to_beginning(*tps)
-        self._task = asyncio.create_task(self._read())
+    def _missing_topic(self) -> Exception:
+        return ReplayError(f"{self.topic_kind} {self.topic!r} does not exist")
 
     async def _read(self) -> None:
-        async for msg in self._consumer:
+        async for msg in self.consumer:
             try:
                 data = json.loads(msg.value)
                 key = self.key_of(data)
@@ -258,13 +287,6 @@ class Collector:
             self.changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.changed.wait(), 1.0)
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self._consumer.stop()
 
 
 def start_worker(env: Mapping[str, str], log_path: Path, role: str, nice: int) -> WorkerProcess:
@@ -322,9 +344,13 @@ async def _copy(
         if wait > 0:
             await asyncio.sleep(wait)
         fut = await producer.send(
-            target, value=value, key=rec.key, partition=rec.partition, timestamp_ms=rec.timestamp,
+            target,
+            value=value,
+            key=rec.key,
+            partition=rec.partition,
+            timestamp_ms=rec.timestamp,
             headers=list(rec.headers or []),
-        )  # fmt: skip
+        )
         key = getattr(rec, "_surge_key", None)
         if key is not None:
             sent_at.setdefault(key, time.monotonic())
@@ -362,10 +388,10 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
     target = own_t.risk_events if risk else own_t.requests
     out_dir = Path(opts.out_dir or f"replay-{rid}")
     await asyncio.to_thread(out_dir.mkdir, parents=True, exist_ok=True)
-    rate = s.replay_rate_per_s if opts.rate_per_s is None else opts.rate_per_s
+    rate = opts.rate(s)
     say = (lambda *_: None) if opts.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
 
-    consumer = _consumer(s)
+    consumer = groupless_consumer(s)
     await consumer.start()
     try:
         parts, ranges = await locate(consumer, source, opts.from_ms, opts.to_ms)
@@ -391,8 +417,10 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
             f"no records on {source!r} between {opts.from_ms} and {opts.to_ms} ms "
             f"({(opts.to_ms - opts.from_ms) / 1000:.0f} s); nothing to replay"
         )
-    say(f"replay {rid}: {len(records)} records of {source} in range"
-        + (f", {len(warm)} warm-up events from the 24 h before" if risk else ""))  # fmt: skip
+    say(
+        f"replay {rid}: {len(records)} records of {source} in range"
+        + (f", {len(warm)} warm-up events from the 24 h before" if risk else "")
+    )
 
     # the copies and the keys they are joined on
     live_policy = ReplyToPolicy(live_t, s.app_id, s.reply_topic_pattern)
@@ -415,13 +443,9 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
     warm_copies = [(_Rec(rec, None), rec.value) for rec in warm]
 
     role = "risk" if risk else "all"
-    env = plan.worker_env(
-        names, broker=s.broker, data_dir=str((out_dir / "state").absolute()), partitions=len(parts),
-        role=role, model=opts.model, sets=opts.sets, caches=opts.caches, live=live_settings_env(s),
-    )  # fmt: skip
-    env["SURGE_WEB_PORT"] = str(free_port())
+    env = opts.worker_env(s, names, out_dir, partitions=len(parts), role=role)
     replay_settings = load_settings(env)
-    changed = plan.changed_settings(opts.model, s.model, opts.sets)
+    changed = opts.changed(s)
     keep_forever = {"retention.ms": "-1"}
     own = {target: keep_forever}
     await create_own_topics(s, names, own, len(parts))
@@ -438,9 +462,12 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
     collector = Collector(s, out_topic, event_key if risk else request_key)
     worker: WorkerProcess | None = None
     producer = AIOKafkaProducer(
-        bootstrap_servers=s.bootstrap_servers, acks="all", linger_ms=5, max_request_size=8 << 20,
+        bootstrap_servers=s.bootstrap_servers,
+        acks="all",
+        linger_ms=5,
+        max_request_size=8 << 20,
         **client_options(s),
-    )  # fmt: skip
+    )
     sent_at: dict[Any, float] = {}
     t0 = time.monotonic()
     try:
@@ -512,17 +539,32 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
     stamps = [r.timestamp for r in records]
     processing_s = max(1e-3, t_done - t_copy)
     report["replay"] = {
-        "id": rid, "app_id": names.app_id, "topic_prefix": names.prefix, "source_topic": source,
-        "from_ms": opts.from_ms, "to_ms": opts.to_ms, "records": len(records), "warmup_records": len(warm),
-        "partitions": len(parts), "model": replay_settings.served_model, "sets": opts.sets, "caches": opts.caches,
-        "defaults": {k: v for k, v in {**plan.REPLAY_DEFAULTS, **plan.CACHE_MODES[opts.caches]}.items()
-                     if k not in opts.sets},
-        "rate_limit_per_s": rate, "worker_start_s": round(ready_s, 2), "processing_s": round(processing_s, 3),
-        "range_s": span_s, "recorded_span_s": round((max(stamps) - min(stamps)) / 1000, 3),
+        "id": rid,
+        "app_id": names.app_id,
+        "topic_prefix": names.prefix,
+        "source_topic": source,
+        "from_ms": opts.from_ms,
+        "to_ms": opts.to_ms,
+        "records": len(records),
+        "warmup_records": len(warm),
+        "partitions": len(parts),
+        "model": replay_settings.served_model,
+        "sets": opts.sets,
+        "caches": opts.caches,
+        "defaults": {
+            k: v
+            for k, v in {**plan.REPLAY_DEFAULTS, **plan.CACHE_MODES[opts.caches]}.items()
+            if k not in opts.sets
+        },
+        "rate_limit_per_s": rate,
+        "worker_start_s": round(ready_s, 2),
+        "processing_s": round(processing_s, 3),
+        "range_s": span_s,
+        "recorded_span_s": round((max(stamps) - min(stamps)) / 1000, 3),
         "speed_factor": round(span_s / processing_s, 2),
         "speed_factor_with_start": round(span_s / (t_done - t0), 2),
         "live_reply_topics": sorted(live_reply_topics) if not risk else [live_t.risk_decisions],
-    }  # fmt: skip
+    }
     if not opts.keep_topics:
         report["replay"]["deleted_topics"] = await delete_own_topics(s, names)
     report_path = out_dir / "report.json"

@@ -26,14 +26,14 @@ import secrets
 import signal
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from pipeline.admin import ensure_topics
-from pipeline.devtools.broker import free_port
+from pipeline.client import partitions_of
 from pipeline.devtools.deployment import load_settings
 from pipeline.devtools.procs import WorkerProcess
 from pipeline.kafka_security import client_options
@@ -41,11 +41,10 @@ from pipeline.records import now_ms, salvage_ids
 from pipeline.replay import compare, plan
 from pipeline.replay.plan import ReplayError, ReplayNames, Throttle
 from pipeline.replay.runner import (
+    CandidateOptions,
     Collector,
-    _consumer,
     delete_own_topics,
-    live_settings_env,
-    partitions_of,
+    groupless_consumer,
     request_key,
     start_worker,
 )
@@ -57,21 +56,17 @@ log = logging.getLogger("surge.shadow")
 
 
 @dataclass
-class ShadowOptions:
+class ShadowOptions(CandidateOptions):
+    """What ``surge shadow`` was asked to do."""
+
+    #: the share of live requests mirrored, in percent
     percent: float
-    model: str | None = None
-    sets: dict[str, str] = field(default_factory=dict)
-    caches: str = "exact"
-    out_dir: Path | None = None
     shadow_id: str | None = None
     #: stop after this many seconds (None: until SIGINT/SIGTERM)
     duration_s: float | None = None
     delete_topics: bool = False
     #: the comparison covers the last this many sampled requests
     window: int = 10_000
-    rate_per_s: float | None = None
-    quiet: bool = False
-    start_timeout_s: float = 300.0
 
 
 class _Bounded(OrderedDict[Any, Any]):
@@ -101,14 +96,11 @@ class Shadow:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.report_path = self.out_dir / "shadow.json"
         self.live_policy = ReplyToPolicy(self.live_t, s.app_id, s.reply_topic_pattern)
-        self.env = plan.worker_env(
-            self.names, broker=s.broker, data_dir=str((self.out_dir / "state").absolute()),
-            partitions=partitions or s.partitions, role="all", model=opts.model, sets=opts.sets, caches=opts.caches,
-            live=live_settings_env(s),
-        )  # fmt: skip
-        self.env["SURGE_WEB_PORT"] = str(free_port())
+        self.env = opts.worker_env(
+            s, self.names, self.out_dir, partitions=partitions or s.partitions, role="all"
+        )
         self.candidate = load_settings(self.env)
-        self.changed = plan.changed_settings(opts.model, s.model, opts.sets)
+        self.changed = opts.changed(s)
         #: sampled requests, in the order read: key → copy time (monotonic)
         self.sampled: _Bounded = _Bounded(opts.window)
         self.live: _Bounded = _Bounded(4 * opts.window)
@@ -131,8 +123,11 @@ class Shadow:
         try:
             await asyncio.to_thread(self.worker.wait_ready, "surge worker ready", opts.start_timeout_s)
             if not opts.quiet:
-                print(f"shadow {self.names.replay_id}: candidate ready, mirroring {opts.percent:g} % of "
-                      f"{self.live_t.requests} to {self.own_t.requests}", flush=True)  # fmt: skip
+                print(
+                    f"shadow {self.names.replay_id}: candidate ready, mirroring {opts.percent:g} % of "
+                    f"{self.live_t.requests} to {self.own_t.requests}",
+                    flush=True,
+                )
             live_ready = asyncio.Event()
             sampler_ready = asyncio.Event()
             tasks = [
@@ -166,13 +161,22 @@ class Shadow:
         """Read the live requests with the shadow's own group; copy the sampled share."""
         s = self.s
         consumer = AIOKafkaConsumer(
-            self.live_t.requests, bootstrap_servers=s.bootstrap_servers, group_id=self.group_id,
-            enable_auto_commit=True, auto_offset_reset="latest", fetch_max_wait_ms=50, **client_options(s),
-        )  # fmt: skip
-        producer = AIOKafkaProducer(bootstrap_servers=s.bootstrap_servers, acks="all", linger_ms=2,
-                                    max_request_size=8 << 20, **client_options(s))  # fmt: skip
-        rate = s.replay_rate_per_s if self.opts.rate_per_s is None else self.opts.rate_per_s
-        throttle = Throttle(rate, time.monotonic)
+            self.live_t.requests,
+            bootstrap_servers=s.bootstrap_servers,
+            group_id=self.group_id,
+            enable_auto_commit=True,
+            auto_offset_reset="latest",
+            fetch_max_wait_ms=50,
+            **client_options(s),
+        )
+        producer = AIOKafkaProducer(
+            bootstrap_servers=s.bootstrap_servers,
+            acks="all",
+            linger_ms=2,
+            max_request_size=8 << 20,
+            **client_options(s),
+        )
+        throttle = Throttle(self.opts.rate(s), time.monotonic)
         target = self.own_t.requests
         if not self.names.owns(target):
             raise ReplayError(f"refusing to write {target!r}")
@@ -199,8 +203,13 @@ class Shadow:
                         wait = throttle.delay()
                         if wait > 0:
                             await asyncio.sleep(wait)
-                        await producer.send(target, value=copy.value, key=rec.key, partition=rec.partition,
-                                            timestamp_ms=rec.timestamp)  # fmt: skip
+                        await producer.send(
+                            target,
+                            value=copy.value,
+                            key=rec.key,
+                            partition=rec.partition,
+                            timestamp_ms=rec.timestamp,
+                        )
                         self.counts["copied"] += 1
                         if copy.ids is not None:
                             self.sampled.put(copy.ids, time.monotonic())
@@ -210,7 +219,7 @@ class Shadow:
 
     async def _read_live(self, ready: asyncio.Event) -> None:
         """Live replies of sampled requests, from every live reply topic (no group)."""
-        consumer = _consumer(self.s)
+        consumer = groupless_consumer(self.s)
         await consumer.start()
         assigned: set[TopicPartition] = set()
         try:
@@ -264,11 +273,19 @@ class Shadow:
         )
         report["kind"] = "requests"
         report["shadow"] = {
-            "id": self.names.replay_id, "app_id": self.names.app_id, "group_id": self.group_id,
-            "topic_prefix": self.names.prefix, "shadow_replies_topic": self.own_t.replies,
-            "percent": self.opts.percent, "model": self.candidate.served_model, "sets": self.opts.sets,
-            "window": self.opts.window, "updated_ms": now_ms(), "final": final, **self.counts,
-        }  # fmt: skip
+            "id": self.names.replay_id,
+            "app_id": self.names.app_id,
+            "group_id": self.group_id,
+            "topic_prefix": self.names.prefix,
+            "shadow_replies_topic": self.own_t.replies,
+            "percent": self.opts.percent,
+            "model": self.candidate.served_model,
+            "sets": self.opts.sets,
+            "window": self.opts.window,
+            "updated_ms": now_ms(),
+            "final": final,
+            **self.counts,
+        }
         tmp = self.report_path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(compare.public(report), indent=2, default=str) + "\n", encoding="utf-8")
         os.replace(tmp, self.report_path)
@@ -286,7 +303,7 @@ class Shadow:
 async def run_shadow(opts: ShadowOptions, settings: Settings | None = None) -> dict[str, Any]:
     """Run a shadow until SIGINT/SIGTERM or ``opts.duration_s``; the final report."""
     s = settings or Settings.load()
-    consumer = _consumer(s)
+    consumer = groupless_consumer(s)
     await consumer.start()
     try:
         parts = await partitions_of(consumer, TopicNames(s.topic_prefix).requests)

@@ -11,13 +11,12 @@ validation so that it can still get an error decision.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.exceptions import InvalidRequestError
-from pipeline.records import ErrorInfo
+from pipeline.records import ErrorInfo, check_key, check_size, describe, salvage_object
 
 EventType = Literal["payment", "transfer", "login"]
 Outcome = Literal["approve", "review", "decline", "error"]
@@ -111,46 +110,26 @@ class LateEvent(BaseModel):
     source_offset: int
 
 
-def _describe(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors()[:5]:
-        loc = ".".join(str(p) for p in err["loc"]) or "record"
-        parts.append(f"{loc}: {err['msg']}")
-    return "; ".join(parts)
-
-
 def decode_event(raw: bytes | None, key: bytes | None, *, max_record_bytes: int) -> RiskEvent:
     """Decode and validate one event record; raises :class:`InvalidRiskEventError` only."""
-    if raw is None:
-        raise InvalidRiskEventError("empty record (no value)")
-    if len(raw) > max_record_bytes:
-        raise InvalidRiskEventError(f"record is {len(raw)} bytes; the limit is {max_record_bytes} bytes")
+    raw = check_size(raw, max_record_bytes, InvalidRiskEventError)
     try:
         ev = RiskEvent.model_validate_json(raw)
     except ValidationError as exc:
         kinds = {e["type"] for e in exc.errors()}
         if kinds & {"json_invalid", "json_type"}:
-            raise InvalidRiskEventError(f"record is not a valid JSON object: {_describe(exc)}") from exc
-        raise InvalidRiskEventError(f"invalid risk event: {_describe(exc)}") from exc
+            raise InvalidRiskEventError(f"record is not a valid JSON object: {describe(exc)}") from exc
+        raise InvalidRiskEventError(f"invalid risk event: {describe(exc)}") from exc
     except (ValueError, RecursionError) as exc:  # pragma: no cover - pydantic wraps these
         raise InvalidRiskEventError(f"record is not valid JSON: {exc}") from exc
-    if key is not None and key.decode("utf-8", "replace") != ev.account:
-        raise InvalidRiskEventError(
-            f"record key {key.decode('utf-8', 'replace')!r} differs from account {ev.account!r}; "
-            "key risk events by account"
-        )
+    check_key(key, "account", ev.account, "risk events", InvalidRiskEventError)
     return ev
 
 
 def salvage_event_ids(raw: bytes | None) -> tuple[str, str] | None:
     """``(event_id, account)`` from a record that failed validation, when readable."""
-    if not raw or len(raw) > (4 << 20):
-        return None
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    if not isinstance(data, dict):
+    data = salvage_object(raw)
+    if data is None:
         return None
     eid, account = data.get("event_id"), data.get("account")
     if isinstance(eid, str) and isinstance(account, str) and 0 < len(eid) <= 128 and 0 < len(account) <= 128:

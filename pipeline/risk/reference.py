@@ -103,7 +103,7 @@ def _remembered(past: list[dict[str, Any]], field: str, cap: int) -> list[str]:
 
 def compare(got: dict[str, Any], want: dict[str, Any], rel: float = 1e-9) -> list[tuple[str, Any, Any]]:
     """Features that differ: ``[(name, got, want)]`` (floats equal within ``rel``)."""
-    diffs = []
+    diffs: list[tuple[str, Any, Any]] = []
     for name, w in want.items():
         g = got.get(name)
         if isinstance(g, float) and isinstance(w, float | int) and not isinstance(w, bool):

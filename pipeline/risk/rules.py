@@ -36,9 +36,15 @@ Op = Literal[">", ">=", "<", "<=", "==", "!=", "in", "not_in"]
 #: event fields a rule may test (``event.<field>``)
 EVENT_FIELDS = ("type", "amount", "currency", "country", "merchant", "account", "card", "device", "ip")
 _OPS: dict[str, Callable[[Any, Any], bool]] = {
-    ">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le, "==": operator.eq,
-    "!=": operator.ne, "in": lambda a, b: a in b, "not_in": lambda a, b: a not in b,
-}  # fmt: skip
+    ">": operator.gt,
+    ">=": operator.ge,
+    "<": operator.lt,
+    "<=": operator.le,
+    "==": operator.eq,
+    "!=": operator.ne,
+    "in": lambda a, b: a in b,
+    "not_in": lambda a, b: a not in b,
+}
 _KNOWN = frozenset(ALL_FEATURES) | {f"event.{f}" for f in EVENT_FIELDS}
 
 
@@ -211,23 +217,68 @@ class RuleBook:
 #: the rules a fresh deployment starts with (``surge risk rules publish --defaults``, and a risk
 #: worker that finds the rules topic empty)
 DEFAULT_RULES: tuple[Rule, ...] = (
-    Rule(rule_id="card_testing", version=1, action="decline", points=3,
-         when=[("card_small_1m", ">=", 3)], description="three or more small payments on one card within a minute"),
-    Rule(rule_id="card_velocity", version=1, action="review", points=2,
-         when=[("card_count_1m", ">=", 4)], description="four or more payments on one card within a minute"),
-    Rule(rule_id="new_device_new_country", version=1, action="review", points=2,
-         when=[("account_new_device", "==", 1), ("account_new_country", "==", 1)],
-         description="a device and a country the account has never used, at once"),
-    Rule(rule_id="amount_spike", version=1, action="review", points=1,
-         when=[("account_amount_ratio_24h", ">=", 8), ("event.amount", ">=", 300)],
-         description="an amount at least 8 times the account's 24 h mean, and at least 300"),
-    Rule(rule_id="large_amount", version=1, action="review", points=1,
-         when=[("event.amount", ">=", 3000)], description="any amount of 3000 or more"),
-    Rule(rule_id="shared_ip", version=1, action="review", points=1,
-         when=[("ip_distinct_account_1h", ">=", 4)], description="an IP used by four or more accounts within an hour"),
-    Rule(rule_id="device_many_accounts", version=1, action="review", points=2,
-         when=[("device_distinct_account_24h", ">=", 3)], description="a device used by three or more accounts within a day"),
-    Rule(rule_id="card_two_countries", version=1, action="review", points=1,
-         when=[("card_distinct_country_24h", ">=", 2), ("account_new_country", "==", 1)],
-         description="a card in a second country within a day, new to the account"),
-)  # fmt: skip
+    Rule(
+        rule_id="card_testing",
+        version=1,
+        action="decline",
+        points=3,
+        when=[("card_small_1m", ">=", 3)],
+        description="three or more small payments on one card within a minute",
+    ),
+    Rule(
+        rule_id="card_velocity",
+        version=1,
+        action="review",
+        points=2,
+        when=[("card_count_1m", ">=", 4)],
+        description="four or more payments on one card within a minute",
+    ),
+    Rule(
+        rule_id="new_device_new_country",
+        version=1,
+        action="review",
+        points=2,
+        when=[("account_new_device", "==", 1), ("account_new_country", "==", 1)],
+        description="a device and a country the account has never used, at once",
+    ),
+    Rule(
+        rule_id="amount_spike",
+        version=1,
+        action="review",
+        points=1,
+        when=[("account_amount_ratio_24h", ">=", 8), ("event.amount", ">=", 300)],
+        description="an amount at least 8 times the account's 24 h mean, and at least 300",
+    ),
+    Rule(
+        rule_id="large_amount",
+        version=1,
+        action="review",
+        points=1,
+        when=[("event.amount", ">=", 3000)],
+        description="any amount of 3000 or more",
+    ),
+    Rule(
+        rule_id="shared_ip",
+        version=1,
+        action="review",
+        points=1,
+        when=[("ip_distinct_account_1h", ">=", 4)],
+        description="an IP used by four or more accounts within an hour",
+    ),
+    Rule(
+        rule_id="device_many_accounts",
+        version=1,
+        action="review",
+        points=2,
+        when=[("device_distinct_account_24h", ">=", 3)],
+        description="a device used by three or more accounts within a day",
+    ),
+    Rule(
+        rule_id="card_two_countries",
+        version=1,
+        action="review",
+        points=1,
+        when=[("card_distinct_country_24h", ">=", 2), ("account_new_country", "==", 1)],
+        description="a card in a second country within a day, new to the account",
+    ),
+)

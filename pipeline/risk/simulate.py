@@ -30,6 +30,7 @@ import math
 import random
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,13 @@ HOME_COUNTRIES = ("DE", "FR", "NL", "ES", "IT", "GB", "PL", "SE", "BE", "AT")
 HOME_WEIGHTS = (18, 15, 9, 12, 12, 14, 7, 5, 4, 4)
 TRAVEL_COUNTRIES = ("US", "PT", "GR", "HR", "CH", "TH", "MX")
 FRAUD_COUNTRIES = ("RO", "BG", "UA", "TR", "MA", "NG", "BR")
-#: relative activity per hour of day (UTC)
-HOUR_WEIGHTS = (1, 0.6, 0.4, 0.3, 0.3, 0.5, 1.2, 2.5, 3.5, 4, 4.2, 4.5, 5, 4.8, 4.5, 4.5, 4.8, 5.2, 5.5, 5,
-                4.2, 3.2, 2.2, 1.5)  # fmt: skip
+#: relative activity per hour of day (UTC), six hours a row
+HOUR_WEIGHTS: tuple[float, ...] = (
+    *(1, 0.6, 0.4, 0.3, 0.3, 0.5),
+    *(1.2, 2.5, 3.5, 4, 4.2, 4.5),
+    *(5, 4.8, 4.5, 4.5, 4.8, 5.2),
+    *(5.5, 5, 4.2, 3.2, 2.2, 1.5),
+)
 DAY_MS = 86_400_000
 HOUR_MS = 3_600_000
 MINUTE_MS = 60_000
@@ -149,15 +154,32 @@ def _amount(rng: random.Random, habit: float, factor: float = 1.0) -> float:
 
 
 def _event(
-    t: int, kind: str, c: _Customer, *, country: str, amount: float = 0.0, card: str | None = None,
-    device: str | None = None, ip: str | None = None, merchant: str | None = None,
+    t: int,
+    kind: str,
+    c: _Customer,
+    *,
+    country: str,
+    amount: float = 0.0,
+    card: str | None = None,
+    device: str | None = None,
+    ip: str | None = None,
+    merchant: str | None = None,
     scenario: str | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     return {
-        "type": kind, "account": c.account, "card": card, "device": device, "ip": ip,
-        "amount": amount if kind != "login" else 0.0, "currency": "EUR", "merchant": merchant,
-        "country": country, "event_time_ms": t, "label": int(scenario is not None), "scenario": scenario,
-    }  # fmt: skip
+        "type": kind,
+        "account": c.account,
+        "card": card,
+        "device": device,
+        "ip": ip,
+        "amount": amount if kind != "login" else 0.0,
+        "currency": "EUR",
+        "merchant": merchant,
+        "country": country,
+        "event_time_ms": t,
+        "label": int(scenario is not None),
+        "scenario": scenario,
+    }
 
 
 def _legit(w: _World, c: _Customer, rng: random.Random) -> list[dict[str, Any]]:
@@ -197,19 +219,24 @@ def _legit(w: _World, c: _Customer, rng: random.Random) -> list[dict[str, Any]]:
         else:  # online: a session starts with a login
             dev = device(t)
             login_t = t - rng.randint(20_000, 8 * MINUTE_MS)
+            session = partial(_event, c=c, country=country, device=dev, ip=ip)
             if login_t >= start:
-                out.append(_event(login_t, "login", c, country=country, device=dev, ip=ip))
-            out.append(_event(t, "payment", c, country=country, amount=amount, card=card, device=dev, ip=ip,
-                              merchant=rng.choice(c.favourites[6:] + w.online[:10])))  # fmt: skip
+                out.append(session(login_t, "login"))
+            shop = rng.choice(c.favourites[6:] + w.online[:10])
+            out.append(session(t, "payment", amount=amount, card=card, merchant=shop))
     if c.coffee:
+        coffee = partial(_event, c=c, card=c.cards[0], merchant=c.favourites[0])
         for t in _times(rng, start, days, 1.0):
             country, _ = where(t)
-            out.append(_event(t, "payment", c, country=country, amount=round(rng.uniform(2.0, 4.5), 2),
-                              card=c.cards[0], merchant=c.favourites[0]))  # fmt: skip
+            out.append(coffee(t, "payment", country=country, amount=round(rng.uniform(2.0, 4.5), 2)))
     for t in _times(rng, start, days, c.transfers_per_day):
         country, ip = where(t)
-        out.append(_event(t, "transfer", c, country=country, amount=_amount(rng, c.habit, 3.0), device=device(t),
-                          ip=ip, merchant=f"benef-{(c.idx * 7 + rng.randrange(3)) % max(1, cfg.customers):06d}"))  # fmt: skip
+        # in this order: each draws from rng
+        amount, dev = _amount(rng, c.habit, 3.0), device(t)
+        beneficiary = f"benef-{(c.idx * 7 + rng.randrange(3)) % max(1, cfg.customers):06d}"
+        out.append(
+            _event(t, "transfer", c, country=country, amount=amount, device=dev, ip=ip, merchant=beneficiary)
+        )
     return [e for e in out if start <= e["event_time_ms"] < end]
 
 
@@ -226,10 +253,11 @@ def _fraud(w: _World, legit: list[dict[str, Any]], rng: random.Random) -> list[d
         c = rng.choice(customers)
         t = start + rng.randrange(span)
         card = rng.choice(c.cards)
+        spike = partial(_event, c=c, country=c.home, card=card, scenario="amount_spike")
         for _k in range(rng.randint(1, 3)):
             t += rng.randint(5, 60) * MINUTE_MS
-            out.append(_event(t, "payment", c, country=c.home, amount=_amount(rng, c.habit, rng.uniform(6, 20)),
-                              card=card, merchant=rng.choice(w.merchants[c.home]), scenario="amount_spike"))  # fmt: skip
+            amount = _amount(rng, c.habit, rng.uniform(6, 20))
+            out.append(spike(t, "payment", amount=amount, merchant=rng.choice(w.merchants[c.home])))
 
     by_account = {c.account: c for c in customers}
     for _ in range(max(1, round(3 * scale))):  # compromised_terminal
@@ -249,35 +277,37 @@ def _fraud(w: _World, legit: list[dict[str, Any]], rng: random.Random) -> list[d
                 continue
             c = by_account[account]
             t = t_skim + rng.randint(1 * DAY_MS, 5 * DAY_MS)
+            cloned = partial(_event, c=c, country=gang, card=card, scenario="compromised_terminal")
             for _k in range(rng.randint(2, 5)):
                 t += rng.randint(2, 45) * MINUTE_MS
-                out.append(_event(t, "payment", c, country=gang, amount=_amount(rng, c.habit, rng.uniform(1, 4)),
-                                  card=card, merchant=rng.choice(w.merchants[gang]),
-                                  scenario="compromised_terminal"))  # fmt: skip
+                amount = _amount(rng, c.habit, rng.uniform(1, 4))
+                out.append(cloned(t, "payment", amount=amount, merchant=rng.choice(w.merchants[gang])))
 
     for _ in range(_poisson(rng, 70 * scale)):  # account_takeover
         c = rng.choice(customers)
         t = start + rng.randrange(span)
         dev, ip, country = rng.choice(w.fraud_devices), rng.choice(w.fraud_ips), rng.choice(FRAUD_COUNTRIES)
-        out.append(_event(t, "login", c, country=country, device=dev, ip=ip, scenario="account_takeover"))
+        takeover = partial(_event, c=c, country=country, device=dev, ip=ip, scenario="account_takeover")
+        out.append(takeover(t, "login"))
         for _k in range(rng.randint(1, 3)):
             t += rng.randint(30_000, 15 * MINUTE_MS)
-            out.append(_event(t, "transfer", c, country=country, amount=_amount(rng, c.habit, rng.uniform(5, 30)),
-                              device=dev, ip=ip, merchant=rng.choice(w.mules), scenario="account_takeover"))  # fmt: skip
+            amount = _amount(rng, c.habit, rng.uniform(5, 30))
+            out.append(takeover(t, "transfer", amount=amount, merchant=rng.choice(w.mules)))
 
     for _ in range(_poisson(rng, 40 * scale)):  # card_testing
         c = rng.choice(customers)
         t = start + rng.randrange(span)
         card = rng.choice(c.cards)
         dev, ip, country = rng.choice(w.fraud_devices), rng.choice(w.fraud_ips), rng.choice(FRAUD_COUNTRIES)
+        testing = partial(_event, c=c, country=country, card=card, device=dev, ip=ip, scenario="card_testing")
         for _k in range(rng.randint(4, 10)):
             t += rng.randint(2_000, 15_000)
-            out.append(_event(t, "payment", c, country=country, amount=round(rng.uniform(0.5, 3.0), 2), card=card,
-                              device=dev, ip=ip, merchant=rng.choice(w.online), scenario="card_testing"))  # fmt: skip
+            amount = round(rng.uniform(0.5, 3.0), 2)
+            out.append(testing(t, "payment", amount=amount, merchant=rng.choice(w.online)))
         if rng.random() < 0.5:
             t += rng.randint(1, 10) * MINUTE_MS
-            out.append(_event(t, "payment", c, country=country, amount=_amount(rng, c.habit, rng.uniform(5, 10)),
-                              card=card, device=dev, ip=ip, merchant=rng.choice(w.online), scenario="card_testing"))  # fmt: skip
+            amount = _amount(rng, c.habit, rng.uniform(5, 10))
+            out.append(testing(t, "payment", amount=amount, merchant=rng.choice(w.online)))
     return [e for e in out if start <= e["event_time_ms"] < end]
 
 
@@ -320,8 +350,19 @@ def disorder(
     return out
 
 
-EVENT_FIELDS = ("event_id", "type", "account", "card", "device", "ip", "amount", "currency", "merchant",
-                "country", "event_time_ms")  # fmt: skip
+EVENT_FIELDS = (
+    "event_id",
+    "type",
+    "account",
+    "card",
+    "device",
+    "ip",
+    "amount",
+    "currency",
+    "merchant",
+    "country",
+    "event_time_ms",
+)
 
 
 def as_event(sim: dict[str, Any]) -> dict[str, Any]:
