@@ -2,17 +2,20 @@
 
 Scenarios (docs/architecture.md, "Performance: how it is measured"), one module each: ``batching``,
 ``merging``, ``priority``, ``overhead``, ``gateway``, ``surge``, ``failover``, ``risk``, ``replay``,
-``hostile``. Each runs all of its arms
-in one process run on one broker, interleaved where the arms allow it, and writes a JSON result (ratios,
-latency percentiles, targets with how much they are missed by) and a PNG plot, by default under
-``bench-results/``.
+``hostile``. Each module's ``run`` takes a :class:`~pipeline.devtools.bench.common.BenchRun`, runs all
+of its arms in one process run on one broker, interleaved where the arms allow it, and writes a JSON
+result (ratios, latency percentiles, targets with how much they are missed by) and a PNG plot, by
+default under ``bench-results/`` (:mod:`pipeline.devtools.bench.report`).
 """
 
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline.devtools.broker import EmbeddedKafka
 
 SCENARIOS: tuple[str, ...] = (
     "batching",
@@ -34,14 +37,19 @@ def run_bench(
     quick: bool = False,
     json_path: str | Path | None = None,
     plot_path: str | Path | None = None,
+    broker: EmbeddedKafka | None = None,
     **options: Any,
 ) -> int:
     """Run one scenario; called by ``surge bench``. Returns the exit status (0 when it ran to the end,
     whether or not its targets were met: the JSON says which were missed and by how much).
 
-    ``options`` go to the scenario (e.g. ``banking77_csv=`` for ``merging``).
+    ``broker``: an already running broker to use (tests). ``options`` go to the scenario's ``run``
+    besides the :class:`~pipeline.devtools.bench.common.BenchRun` (e.g. ``banking77_csv=`` for ``merging``).
     """
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown benchmark scenario {scenario!r}; one of {', '.join(SCENARIOS)}")
+    from pipeline.devtools.bench.common import BenchRun
+
     module = importlib.import_module(f"pipeline.devtools.bench.{scenario}")
-    return int(module.run(quick=quick, json_path=json_path, plot_path=plot_path, **options))
+    job = BenchRun(scenario, quick=quick, json_path=json_path, plot_path=plot_path, broker=broker)
+    return int(module.run(job, **options))

@@ -29,8 +29,7 @@ from pipeline.devtools.bench.common import (
     BENCH_DIR,
     BenchDeployment,
     BenchEnv,
-    BenchError,
-    finish,
+    BenchRun,
     latency_summary,
     long_deadlines,
     progress,
@@ -38,11 +37,10 @@ from pipeline.devtools.bench.common import (
     target,
 )
 from pipeline.devtools.bench.load import LoadResult, closed_loop
-from pipeline.devtools.broker import EmbeddedKafka
+from pipeline.devtools.bench.report import finish
 
 #: largest batch (the HF backend's own default cap is 16 too)
 BATCH = 16
-LONG_DEADLINES = long_deadlines(600_000)
 
 
 @dataclass(frozen=True)
@@ -81,10 +79,14 @@ def prompt(arm: str, i: int) -> str:
 
 def requests(arm: str, tag: str, n: int, max_tokens: int) -> list[dict[str, Any]]:
     return [
-        {"request_id": f"{arm}-{tag}-{i}", "user_id": f"user-{i % 16}", "prompt": prompt(f"{arm}{tag}", i),
-         "max_tokens": max_tokens}
+        {
+            "request_id": f"{arm}-{tag}-{i}",
+            "user_id": f"user-{i % 16}",
+            "prompt": prompt(f"{arm}{tag}", i),
+            "max_tokens": max_tokens,
+        }
         for i in range(n)
-    ]  # fmt: skip
+    ]
 
 
 def limit_arm(folder: Path, plan: Plan) -> dict[str, Any]:
@@ -126,51 +128,54 @@ async def _measure(
     results: dict[str, LoadResult] = {n: LoadResult() for n in arms}
     for r in range(plan.rounds):
         for name, (_, c, per_round) in arms.items():
-            with progress(per_round, f"batching {name} round {r + 1}/{plan.rounds}") as bar:
-                res = await closed_loop(
-                    c, requests(name, f"r{r}", per_round, plan.max_tokens), concurrency=2 * BATCH,
-                    timeout_s=plan.timeout_s, bar=bar,
-                )  # fmt: skip
+            res = await closed_loop(
+                c,
+                requests(name, f"r{r}", per_round, plan.max_tokens),
+                concurrency=2 * BATCH,
+                timeout_s=plan.timeout_s,
+                desc=f"batching {name} round {r + 1}/{plan.rounds}",
+            )
             results[name].merge(res)
         await asyncio.to_thread(run_limit_round, limit, plan, r)
     out: dict[str, Any] = {}
     for name, (d, _, _) in arms.items():
         res = results[name]
-        if not res.replies:
-            raise BenchError(f"arm {name!r} answered nothing; worker log tail:\n{d.workers[0].tail()}")
+        res.require_replies(name, f"; worker log tail:\n{d.workers[0].tail()}")
         sizes = [
             rep.timings.batch_size for rep in res.replies.values() if rep.timings and rep.timings.batch_size
         ]
         out[name] = {
-            "sent": res.sent, "answered": len(res.replies), "lost": res.lost,
-            "errors": sum(1 for rep in res.replies.values() if rep.status != "ok"),
-            "throughput_rps": round(res.throughput, 2), "elapsed_s": round(res.elapsed_s, 2),
+            **res.counts(),
+            "throughput_rps": round(res.throughput, 2),
+            "elapsed_s": round(res.elapsed_s, 2),
             "mean_batch_size": round(sum(sizes) / len(sizes), 2) if sizes else None,
             "latency": latency_summary(res.ok_latencies()),
-        }  # fmt: skip
+        }
     secs = limit["seconds"]
     out["limit"] = {
-        "batches": len(secs), "answered": limit["items"], "batch_size": BATCH,
+        "batches": len(secs),
+        "answered": limit["items"],
+        "batch_size": BATCH,
         "throughput_rps": round(limit["items"] / sum(secs), 2),
         "latency": latency_summary([s * 1000 for s in secs]),
         "latency_is": "one infer call of a full batch (every item in it waits this long)",
-    }  # fmt: skip
+    }
     return out
 
 
-def run(
-    *,
-    quick: bool = False,
-    json_path: str | Path | None = None,
-    plot_path: str | Path | None = None,
-    broker: EmbeddedKafka | None = None,
-) -> int:
-    plan = QUICK if quick else FULL
+def run(job: BenchRun) -> int:
+    plan = QUICK if job.quick else FULL
     folder = model_folder(plan.params_target)
     n_params = json.loads((folder / "config.json").read_text()).get("surge_num_parameters")
-    common = {"model": "hf", "model_path": str(folder), "dedup_enabled": False, "cache_enabled": False,
-              "queue_limit_per_class": 4096, **LONG_DEADLINES}  # fmt: skip
-    with BenchEnv("batching", broker=broker) as env:
+    common = {
+        "model": "hf",
+        "model_path": str(folder),
+        "dedup_enabled": False,
+        "cache_enabled": False,
+        "queue_limit_per_class": 4096,
+        **long_deadlines(600_000),
+    }
+    with BenchEnv(job.scenario, broker=job.broker) as env:
         surge = env.deployment("surge", max_batch_size=BATCH, base_batch_size=8, **common)
         b1 = env.deployment("surge_b1", max_batch_size=1, base_batch_size=1, **common)
         startup_s = env.wait_ready([surge, b1])
@@ -189,7 +194,6 @@ def run(
     s, b, lim = (arms[a]["throughput_rps"] for a in ("surge", "surge_b1", "limit"))
     vs_b1, vs_limit = ratio(s, b), ratio(s, lim)
     result = {
-        "quick": quick,
         "plan": plan.__dict__,
         "model": {
             "folder": str(folder),
@@ -210,8 +214,11 @@ def run(
         "model's own batched throughput outside the pipeline.",
     }
     return finish(
-        "batching", result, json_path, plot_path,
-        [("requests/s", {a: v["throughput_rps"] for a, v in arms.items()}),
-         ("p50 latency, ms", {a: v["latency"]["p50_ms"] for a, v in arms.items()}),
-         ("p99 latency, ms", {a: v["latency"]["p99_ms"] for a, v in arms.items()})],
-    )  # fmt: skip
+        job,
+        result,
+        [
+            ("requests/s", {a: v["throughput_rps"] for a, v in arms.items()}),
+            ("p50 latency, ms", {a: v["latency"]["p50_ms"] for a, v in arms.items()}),
+            ("p99 latency, ms", {a: v["latency"]["p99_ms"] for a, v in arms.items()}),
+        ],
+    )

@@ -1,23 +1,23 @@
-"""Shared machinery of the benchmarks: the broker, isolated deployments, metrics, results.
+"""Shared machinery of the benchmarks: the run asked for, the broker, isolated deployments, metrics.
 
-Called by every scenario module. :class:`BenchEnv` starts the embedded Kafka broker once per run
-(data dir ``.surge-bench/kafka``), hands out :class:`BenchDeployment` objects (one topic prefix,
-app id and worker per arm, so arms share the broker but nothing else) and stops every process it
-started when the ``with`` block ends, also on errors and Ctrl-C. Deployments, processes and
-percentiles are the ones the tests and the demo use too (``pipeline.devtools.deployment``, ``pipeline.devtools.procs``,
-``pipeline.stats``); they are importable from here as well.
+Called by every scenario module. :class:`BenchRun` is what ``surge bench`` asks of a scenario (its
+results are written by :mod:`pipeline.devtools.bench.report`). :class:`BenchEnv` starts the embedded
+Kafka broker once per run (data dir ``.surge-bench/kafka``), hands out :class:`BenchDeployment`
+objects (one topic prefix, app id and worker per arm, so arms share the broker but nothing else) and
+stops every process it started when the ``with`` block ends, also on errors and Ctrl-C. Deployments,
+processes and percentiles are the ones the tests and the demo use too
+(``pipeline.devtools.deployment``, ``pipeline.devtools.procs``, ``pipeline.stats``); they are
+importable from here as well.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import shutil
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,6 @@ from pipeline.stats import latency_summary as latency_summary
 from pipeline.stats import percentile as percentile
 
 BENCH_DIR = Path(".surge-bench")
-RESULTS_DIR = Path("bench-results")
 
 #: settings every arm shares unless a scenario overrides them: nothing but the measured feature varies
 BASE_ENV: dict[str, str] = {
@@ -70,6 +69,24 @@ BANKING_WORDS = (
 
 class BenchError(SurgeError):
     """A benchmark could not run (missing data, a worker that did not start, lost replies)."""
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """One scenario run as ``surge bench`` (or a test) asks for it: ``quick`` for the small plan, where
+    the JSON and the PNG go (None: ``bench-results/<scenario>.json`` and the PNG beside it), and an
+    already running broker to use (tests; None: the scenario starts its own)."""
+
+    scenario: str
+    quick: bool = False
+    json_path: str | Path | None = None
+    plot_path: str | Path | None = None
+    broker: EmbeddedKafka | None = None
+
+    @property
+    def title(self) -> str:
+        """How the scenario's plot title begins: ``surge bench SCENARIO``, `` (quick)`` for a quick run."""
+        return f"surge bench {self.scenario}" + (" (quick)" if self.quick else "")
 
 
 # ---- statistics -----------------------------------------------------------------------------------
@@ -175,7 +192,7 @@ class BenchEnv:
     def bootstrap(self) -> str:
         return self.kafka.bootstrap
 
-    def deployment(self, name: str, **env: str | int | float | bool) -> BenchDeployment:
+    def deployment(self, name: str, **env: object) -> BenchDeployment:
         """A new isolated deployment for arm ``name``; ``env`` keys are Settings field names."""
         tag = uuid.uuid4().hex[:8]
         full = deployment_env(
@@ -205,77 +222,6 @@ class BenchEnv:
             except SurgeError as exc:
                 raise BenchError(f"arm {d.name!r}: {exc}") from exc
         return time.monotonic() - t0
-
-
-# ---- results --------------------------------------------------------------------------------------
-def environment() -> dict[str, Any]:
-    """What the numbers were measured on."""
-    return {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": "surge " + " ".join(sys.argv[1:])
-        if sys.argv[0].endswith(("cli.py", "surge"))
-        else " ".join(sys.argv),
-    }
-
-
-def default_paths(
-    scenario: str, json_path: str | Path | None, plot_path: str | Path | None
-) -> tuple[Path, Path]:
-    """JSON and PNG paths: given, or ``bench-results/<scenario>.json``/``.png`` (PNG beside the JSON)."""
-    jp = Path(json_path) if json_path else RESULTS_DIR / f"{scenario}.json"
-    pp = Path(plot_path) if plot_path else jp.with_suffix(".png")
-    return jp, pp
-
-
-def write_json(path: Path, result: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-
-
-def bar_plot(path: Path, title: str, panels: Sequence[tuple[str, dict[str, float | None]]]) -> None:
-    """One bar chart per panel (``(ylabel, {arm: value})``), side by side, written as PNG (Agg)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
-    colors = ["#2b6cb0", "#dd6b20", "#38a169", "#805ad5", "#e53e3e", "#718096"]
-    for ax, (label, values) in zip(axes[0], panels, strict=True):
-        names = list(values)
-        ys = [values[n] or 0.0 for n in names]
-        ax.bar(names, ys, color=colors[: len(names)])
-        ax.set_ylabel(label)
-        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-        for i, y in enumerate(ys):
-            ax.annotate(f"{y:.3g}", (i, y), ha="center", va="bottom", fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def finish(
-    scenario: str,
-    result: dict[str, Any],
-    json_path: str | Path | None,
-    plot_path: str | Path | None,
-    panels: Sequence[tuple[str, dict[str, float | None]]],
-) -> int:
-    """Write the JSON and the PNG, print a summary; the exit status (0: ran, whether or not targets met)."""
-    jp, pp = default_paths(scenario, json_path, plot_path)
-    result = {"scenario": scenario, **result, "environment": environment(), "plot": str(pp)}
-    write_json(jp, result)
-    bar_plot(pp, f"surge bench {scenario}" + (" (quick)" if result.get("quick") else ""), panels)
-    print(f"\n{scenario}: JSON {jp}, plot {pp}", file=sys.stderr)
-    for t in result.get("targets", []):
-        state = "met" if t["met"] else f"MISSED by {t['missed_by']}"
-        print(f"  target {t['name']}: {t['value']} (goal {t['goal']}) {state}", file=sys.stderr)
-    return 0
 
 
 class HelperProcess(ManagedProcess):

@@ -43,34 +43,29 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from pipeline.devtools.bench.common import BENCH_DIR, BenchDeployment, BenchEnv, BenchError, target
+from pipeline.devtools.bench.banking77 import resolve_csv, unseen_questions
+from pipeline.devtools.bench.common import BENCH_DIR, BenchDeployment, BenchEnv, BenchError, BenchRun, target
+from pipeline.devtools.bench.report import report
 from pipeline.devtools.bench.surge import (
     CLASS_MIX,
     DEFAULT_PATH,
-    LagSampler,
-    Population,
-    QuestionStream,
+    Offered,
     ReplyReader,
     Sample,
     Scraper,
     Sender,
+    Watch,
     class_summary,
     default_path_env,
-    measure_limit,
+    max_known,
     quiet_kafka_logs,
-    report,
-    resolve_csv,
     settled_after,
-    tenants_for,
     timeline_plot,
-    trace_requests,
-    unseen_questions,
     wait_answered,
 )
 from pipeline.devtools.broker import EmbeddedKafka, free_port
 from pipeline.devtools.procs import WorkerProcess
 from pipeline.exceptions import SurgeError
-from pipeline.kafka_security import client_options
 from pipeline.settings import PRIORITIES
 
 LOAD = 0.5  # of L
@@ -94,13 +89,35 @@ class Plan:
 
 
 FULL = Plan(
-    kills=3, rolling=(0, 1), warm_s=20, settle_s=10, level0_wait_s=35, recover_timeout_s=120, margin_s=5, tail_s=20,
-    drain_s=180, drain_idle_s=20, rate_scale=1.0, limit_batches=8, sigterm_timeout_s=60,
-)  # fmt: skip
+    kills=3,
+    rolling=(0, 1),
+    warm_s=20,
+    settle_s=10,
+    level0_wait_s=35,
+    recover_timeout_s=120,
+    margin_s=5,
+    tail_s=20,
+    drain_s=180,
+    drain_idle_s=20,
+    rate_scale=1.0,
+    limit_batches=8,
+    sigterm_timeout_s=60,
+)
 QUICK = Plan(
-    kills=1, rolling=(0,), warm_s=6, settle_s=2, level0_wait_s=8, recover_timeout_s=90, margin_s=3, tail_s=4,
-    drain_s=60, drain_idle_s=15, rate_scale=0.3, limit_batches=3, sigterm_timeout_s=45,
-)  # fmt: skip
+    kills=1,
+    rolling=(0,),
+    warm_s=6,
+    settle_s=2,
+    level0_wait_s=8,
+    recover_timeout_s=90,
+    margin_s=3,
+    tail_s=4,
+    drain_s=60,
+    drain_idle_s=15,
+    rate_scale=0.3,
+    limit_batches=3,
+    sigterm_timeout_s=45,
+)
 
 
 @dataclass
@@ -117,8 +134,12 @@ class Event:
 
     @property
     def label(self) -> str:
-        return {"sigkill": f"SIGKILL w{self.worker}", "sigterm": f"SIGTERM w{self.worker}",
-                "broker": "broker restart", "crash": f"w{self.worker} exited"}[self.kind]  # fmt: skip
+        return {
+            "sigkill": f"SIGKILL w{self.worker}",
+            "sigterm": f"SIGTERM w{self.worker}",
+            "broker": "broker restart",
+            "crash": f"w{self.worker} exited",
+        }[self.kind]
 
 
 class Pool:
@@ -128,10 +149,14 @@ class Pool:
         self.d = d
         self.logs = env.run_dir
         self.envs = [
-            {**d.env, "SURGE_DATA_DIR": str(env.run_dir / "data" / f"{d.name}-w{k}"),
-             "SURGE_WEB_PORT": str(free_port()), "SURGE_WORKER_ID": f"w{k}"}
+            {
+                **d.env,
+                "SURGE_DATA_DIR": str(env.run_dir / "data" / f"{d.name}-w{k}"),
+                "SURGE_WEB_PORT": str(free_port()),
+                "SURGE_WORKER_ID": f"w{k}",
+            }
             for k in range(n)
-        ]  # fmt: skip
+        ]
         self.current: list[WorkerProcess | None] = [None] * n
         self.starts = [0] * n
         self.expected_down: set[int] = set()
@@ -202,9 +227,14 @@ def _served_since(reader: ReplyReader, since: float) -> set[int]:
 
 
 async def wait_recovered(
-    since: float, pool: Pool, reader: ReplyReader, sender: Sender, scraper: Scraper, baseline: int | None,
+    since: float,
+    pool: Pool,
+    reader: ReplyReader,
+    sender: Sender,
+    scraper: Scraper,
+    baseline: int | None,
     timeout_s: float,
-) -> float | None:  # fmt: skip
+) -> float | None:
     """Wall time when every partition with traffic has a reply produced after ``since`` and the
     assignment is whole again; None at the timeout."""
     t_end = time.monotonic() + timeout_s
@@ -224,7 +254,7 @@ async def wait_level0(scraper: Scraper, pool: Pool, since: float, timeout_s: flo
     t_end = time.monotonic() + timeout_s
     while time.monotonic() < t_end:
         pool.watch()
-        last = {}
+        last: dict[str, Sample] = {}
         for s in reversed(scraper.samples):
             if s.t < since:
                 break
@@ -236,9 +266,14 @@ async def wait_level0(scraper: Scraper, pool: Pool, since: float, timeout_s: flo
 
 
 async def _events(
-    env: BenchEnv, pool: Pool, plan: Plan, sender: Sender, reader: ReplyReader, scraper: Scraper,
+    env: BenchEnv,
+    pool: Pool,
+    plan: Plan,
+    sender: Sender,
+    reader: ReplyReader,
+    scraper: Scraper,
     stop: asyncio.Event,
-) -> tuple[list[Event], int | None]:  # fmt: skip
+) -> tuple[list[Event], int | None]:
     events: list[Event] = []
 
     async def finish(ev: Event, since: float) -> None:
@@ -253,8 +288,9 @@ async def _events(
         print(
             f"failover: {ev.label}: "
             + (f"recovered after {ev.recovered - ev.t:.1f} s" if ev.recovered else "NOT recovered"),
-            file=sys.stderr, flush=True,
-        )  # fmt: skip
+            file=sys.stderr,
+            flush=True,
+        )
         await asyncio.sleep(max(plan.margin_s, plan.settle_s))
         await wait_level0(scraper, pool, ev.window_end, plan.level0_wait_s)
 
@@ -323,36 +359,26 @@ async def _events(
     return sorted(events, key=lambda e: e.t), baseline
 
 
-async def _drive(env: BenchEnv, pool: Pool, plan: Plan, rate: float, stream: QuestionStream,
-                 pop: Population) -> dict[str, Any]:  # fmt: skip
-    from pipeline.admin import ensure_topics
-
-    d = pool.d
-    await ensure_topics(d.settings())
-    quiet_kafka_logs()
-    sec = client_options(d.settings())
-    reader = ReplyReader(d.bootstrap, d.topics.replies, sec)
-    sender = Sender(d.bootstrap, d.topics.requests, stream, pop, sec)
+async def _drive(env: BenchEnv, pool: Pool, plan: Plan, offered: Offered) -> dict[str, Any]:
     scraper = Scraper(pool.targets, with_status=True)
-    lag = LagSampler(
-        d.bootstrap, d.env["SURGE_APP_ID"], [d.topics.requests, *map(d.topics.work, PRIORITIES)], security=sec
-    )
-    await reader.start()
-    await sender.start()
-    scraper.start()
-    lag.start()
+    watch = await Watch.start(pool.d, offered.stream, offered.pop, scraper)
+    sender, reader = watch.sender, watch.reader
     stop = asyncio.Event()
 
     def tick() -> None:
         answered = sum(1 for r in sender.order[-2000:] if r.rid in reader.by_rid)
-        levels = {}
+        levels: dict[str, float | str | None] = {}
         for smp in reversed(scraper.samples[-10:]):
             levels.setdefault(smp.worker, smp.level if smp.up else "down")
-        print(f"  sent {len(sender.order)}, answered {answered} of the last {min(2000, len(sender.order))}, "
-              f"levels {levels}", file=sys.stderr, flush=True)  # fmt: skip
+        last = min(2000, len(sender.order))
+        print(
+            f"  sent {len(sender.order)}, answered {answered} of the last {last}, levels {levels}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     try:
-        send_task = asyncio.create_task(sender.run_until(rate, stop, "run", tick))
+        send_task = asyncio.create_task(sender.run_until(offered.rate, stop, "run", tick))
         events, baseline = await _events(env, pool, plan, sender, reader, scraper, stop)
         t0, t1 = await send_task
         broker_failed = next(
@@ -367,19 +393,25 @@ async def _drive(env: BenchEnv, pool: Pool, plan: Plan, rate: float, stream: Que
             )
     finally:
         stop.set()
-        await lag.stop()
-        await scraper.stop()
-        await sender.stop()
-        await reader.stop()
-    unanswered = [r.rid for r in sender.order if r.acked is not False and r.rid not in reader.by_rid]
+        await watch.stop()
     traced = (
-        await trace_requests(d.bootstrap, d.topics, unanswered[:50], sec, group=d.env["SURGE_APP_ID"])
+        await watch.trace_unanswered()
         if broker_failed is None
         else {"error": "not traced: the broker did not come back"}
     )
-    return {"events": events, "baseline_assigned": baseline, "sender": sender, "reader": reader,
-            "scraper": scraper, "lag": lag, "start": t0, "end": t1, "drain_waited_s": drained,
-            "trace_of_lost": traced, "broker_restart_failed": broker_failed}  # fmt: skip
+    return {
+        "events": events,
+        "baseline_assigned": baseline,
+        "sender": sender,
+        "reader": reader,
+        "scraper": scraper,
+        "lag": watch.lag,
+        "start": t0,
+        "end": t1,
+        "drain_waited_s": drained,
+        "trace_of_lost": traced,
+        "broker_restart_failed": broker_failed,
+    }
 
 
 # ---- analysis ------------------------------------------------------------------------------------
@@ -396,8 +428,9 @@ def _in(t: float, spans: Sequence[tuple[float, float]]) -> bool:
     return any(a <= t < b for a, b in spans)
 
 
-def analyse(run: dict[str, Any], deadlines: dict[str, int | None], session_timeout_s: float,
-            partitions: int) -> dict[str, Any]:  # fmt: skip
+def analyse(
+    run: dict[str, Any], deadlines: dict[str, int | None], session_timeout_s: float, partitions: int
+) -> dict[str, Any]:
     sender: Sender = run["sender"]
     reader: ReplyReader = run["reader"]
     samples: list[Sample] = run["scraper"].samples
@@ -411,8 +444,8 @@ def analyse(run: dict[str, Any], deadlines: dict[str, int | None], session_timeo
     ts_by_part: dict[int, list[float]] = defaultdict(list)
     for s in reader.seen:
         ts_by_part[s.partition].append(s.ts_ms / 1000)
-    for v in ts_by_part.values():
-        v.sort()
+    for times in ts_by_part.values():
+        times.sort()
     parts_with_traffic = sorted({r.partition for r in acked if r.partition is not None})
 
     def first_after(p: int, t: float) -> float | None:
@@ -424,30 +457,33 @@ def analyse(run: dict[str, Any], deadlines: dict[str, int | None], session_timeo
     differing: list[str] = []
     examples: list[dict[str, Any]] = []
     owner: dict[str, Event | None] = {}
-    for rid, v in repeated.items():
-        base = strip(v[0].reply)
+    for rid, seen in repeated.items():
+        base = strip(seen[0].reply)
         fields = {
-            k for x in v[1:] for k in set(base) | set(strip(x.reply)) if strip(x.reply).get(k) != base.get(k)
+            k
+            for x in seen[1:]
+            for k in set(base) | set(strip(x.reply))
+            if strip(x.reply).get(k) != base.get(k)
         }
         if fields:
             differing.append(rid)
             differ_fields.update(fields)
             if len(examples) < 5:
-                examples.append({"request_id": rid, "fields": sorted(fields),
-                                 "replies": [strip(x.reply) for x in v[:3]]})  # fmt: skip
+                replies = [strip(x.reply) for x in seen[:3]]
+                examples.append({"request_id": rid, "fields": sorted(fields), "replies": replies})
         # a repeat is a redelivery after a rebalance: it belongs to the last event before its second reply
-        before = [e for e in events if e.t <= v[1].recv]
+        before = [e for e in events if e.t <= seen[1].recv]
         owner[rid] = before[-1] if before else None
     per_event: list[dict[str, Any]] = []
     for i, e in enumerate(events):
         nxt = events[i + 1].t if i + 1 < len(events) else float("inf")
         ref = e.back if e.kind == "broker" and e.back else e.t
-        firsts = {p: first_after(p, ref) for p in parts_with_traffic}
-        served = None if any(v is None for v in firsts.values()) else max(firsts.values()) - ref  # type: ignore[type-var]
+        last_first = max_known(first_after(p, ref) for p in parts_with_traffic)
+        served = None if last_first is None else last_first - ref
         after_back = None
         if e.back:
-            fb = [first_after(p, e.back) for p in parts_with_traffic]
-            after_back = None if any(v is None for v in fb) else max(fb) - e.back  # type: ignore[type-var]
+            last_first_back = max_known(first_after(p, e.back) for p in parts_with_traffic)
+            after_back = None if last_first_back is None else last_first_back - e.back
         end = e.window_end or e.t
         gaps = []
         for p in parts_with_traffic:
@@ -459,32 +495,47 @@ def analyse(run: dict[str, Any], deadlines: dict[str, int | None], session_timeo
         lvl = settled_after(level_pts, e.recovered) if e.recovered else None
         exposed = [r for r in acked if e.t - 5 <= r.created_ms / 1000 < min(nxt, run["end"])]
         reps = [rid for rid, ev in owner.items() if ev is e]
-        per_event.append({
-            "kind": e.kind, "worker": e.worker, "label": e.label, "at_s": round(e.t - t0, 2),
-            "back_after_s": round(e.back - e.t, 2) if e.back else None,
-            "sigterm_exit_s": e.exit_s, "exit_code": e.exit_code,
-            "every_partition_served_after_s": None if served is None else round(served, 2),
-            "served_from": "broker back" if e.kind == "broker" else "event",
-            "every_partition_served_after_back_s": None if after_back is None else round(after_back, 2),
-            "recovered_after_s": round(e.recovered - e.t, 2) if e.recovered else None,
-            "window_s": round(end - e.t, 2), "longest_partition_reply_gap_s": round(max(gaps, default=0), 2),
-            "level_0_after_recovery_s": None if lvl is None else round(lvl, 2),
-            "requests_exposed": len(exposed), "repeats": len(reps),
-            "repeats_that_differ": sum(1 for rid in reps if rid in set(differing)),
-            "notes": e.notes,
-        })  # fmt: skip
+        per_event.append(
+            {
+                "kind": e.kind,
+                "worker": e.worker,
+                "label": e.label,
+                "at_s": round(e.t - t0, 2),
+                "back_after_s": round(e.back - e.t, 2) if e.back else None,
+                "sigterm_exit_s": e.exit_s,
+                "exit_code": e.exit_code,
+                "every_partition_served_after_s": None if served is None else round(served, 2),
+                "served_from": "broker back" if e.kind == "broker" else "event",
+                "every_partition_served_after_back_s": None if after_back is None else round(after_back, 2),
+                "recovered_after_s": round(e.recovered - e.t, 2) if e.recovered else None,
+                "window_s": round(end - e.t, 2),
+                "longest_partition_reply_gap_s": round(max(gaps, default=0), 2),
+                "level_0_after_recovery_s": None if lvl is None else round(lvl, 2),
+                "requests_exposed": len(exposed),
+                "repeats": len(reps),
+                "repeats_that_differ": sum(1 for rid in reps if rid in set(differing)),
+                "notes": e.notes,
+            }
+        )
     errs: Counter[str] = Counter()
     limited: list[dict[str, Any]] = []
     for r in acked:
-        v = by_rid.get(r.rid)
-        if v and v[0].reply.get("status") != "ok":
-            code = str((v[0].reply.get("error") or {}).get("code"))
+        got = by_rid.get(r.rid)
+        if got and got[0].reply.get("status") != "ok":
+            error = got[0].reply.get("error") or {}
+            code = str(error.get("code"))
             errs[f"{code}/{r.tier}"] += 1
             if code == "rate_limited" and len(limited) < 10:
-                limited.append({"request_id": r.rid, "tier": r.tier, "priority": r.priority,
-                                "at_s": round(r.created_ms / 1000 - t0, 2),
-                                "in_window": _in(r.created_ms / 1000, spans),
-                                "message": (v[0].reply.get("error") or {}).get("message")})  # fmt: skip
+                limited.append(
+                    {
+                        "request_id": r.rid,
+                        "tier": r.tier,
+                        "priority": r.priority,
+                        "at_s": round(r.created_ms / 1000 - t0, 2),
+                        "in_window": _in(r.created_ms / 1000, spans),
+                        "message": error.get("message"),
+                    }
+                )
     inside = [r for r in sender.order if _in(r.created_ms / 1000, spans)]
     outside = [r for r in sender.order if not _in(r.created_ms / 1000, spans)]
     classes = {
@@ -498,31 +549,49 @@ def analyse(run: dict[str, Any], deadlines: dict[str, int | None], session_timeo
         return sum(x[key] for x in per_event if x["kind"] == kind)
 
     repeats_by_kind = {
-        k: {"repeats": kind_sum(k, "repeats"), "requests_exposed": kind_sum(k, "requests_exposed"),
+        k: {
+            "repeats": kind_sum(k, "repeats"),
+            "requests_exposed": kind_sum(k, "requests_exposed"),
             "rate": round(kind_sum(k, "repeats") / kind_sum(k, "requests_exposed"), 4)
-            if kind_sum(k, "requests_exposed") else None}
+            if kind_sum(k, "requests_exposed")
+            else None,
+        }
         for k in ("sigkill", "sigterm", "broker", "crash")
-    }  # fmt: skip
+    }
     repeats_by_kind["before_any_event"] = {"repeats": sum(1 for ev in owner.values() if ev is None)}
     return {
-        "sent": len(sender.order), "acked": len(acked),
+        "sent": len(sender.order),
+        "acked": len(acked),
         "produce_failed": len(sender.order) - len(acked),
-        "answered": sum(1 for r in acked if r.rid in by_rid), "lost": len(lost),
-        "lost_examples": [{"request_id": r.rid, "priority": r.priority, "partition": r.partition,
-                           "at_s": round(r.created_ms / 1000 - t0, 2)} for r in lost[:10]],
+        "answered": sum(1 for r in acked if r.rid in by_rid),
+        "lost": len(lost),
+        "lost_examples": [
+            {
+                "request_id": r.rid,
+                "priority": r.priority,
+                "partition": r.partition,
+                "at_s": round(r.created_ms / 1000 - t0, 2),
+            }
+            for r in lost[:10]
+        ],
         "lost_by_partition": dict(Counter(str(r.partition) for r in lost)),
-        "repeats": len(repeated), "repeat_rate": round(len(repeated) / len(acked), 4) if acked else None,
-        "repeats_that_differ": len(differing), "differing_fields": dict(differ_fields),
-        "differing_examples": examples, "repeats_by_event_kind": repeats_by_kind,
+        "repeats": len(repeated),
+        "repeat_rate": round(len(repeated) / len(acked), 4) if acked else None,
+        "repeats_that_differ": len(differing),
+        "differing_fields": dict(differ_fields),
+        "differing_examples": examples,
+        "repeats_by_event_kind": repeats_by_kind,
         "unexpected_reply_records": sum(len(v) for k, v in by_rid.items() if k not in sender.sent),
-        "events": per_event, "classes": classes,
-        "errors_by_code_and_tier": dict(errs), "rate_limited_examples": limited,
+        "events": per_event,
+        "classes": classes,
+        "errors_by_code_and_tier": dict(errs),
+        "rate_limited_examples": limited,
         "windows": [[round(a - t0, 2), round(b - t0, 2)] for a, b in spans],
         "partitions_with_traffic": parts_with_traffic,
         "sender_lag_ms_max": round(max((r.lag_ms for r in sender.order), default=0.0), 1),
         "crashes": sum(1 for e in events if e.kind == "crash"),
         "max_kafka_lag_by_topic": run["lag"].peak_by_topic(),
-    }  # fmt: skip
+    }
 
 
 def targets(res: dict[str, Any], session_timeout_s: float) -> list[dict[str, Any]]:
@@ -545,37 +614,29 @@ def targets(res: dict[str, Any], session_timeout_s: float) -> list[dict[str, Any
     ]
 
 
-def run(
-    *,
-    quick: bool = False,
-    json_path: str | Path | None = None,
-    plot_path: str | Path | None = None,
-    broker: EmbeddedKafka | None = None,
-    banking77_csv: str | Path | None = None,
-) -> int:
-    plan = QUICK if quick else FULL
-    csv_path = resolve_csv(banking77_csv, "failover")
-    holdout, trained = unseen_questions(csv_path)
+def run(job: BenchRun, banking77_csv: str | Path | None = None) -> int:
+    csv_path = resolve_csv(banking77_csv, job.scenario)
+    questions = unseen_questions(csv_path)
+    if job.broker is not None:
+        return _run(job, job.broker, csv_path, questions)
     # a broker of its own, in the run's folder: this scenario restarts it, and a benchmark started
     # meanwhile on the shared .surge-bench/kafka must not find it half stopped (or start a second one on it)
-    own = None
-    if broker is None:
-        own = EmbeddedKafka(BENCH_DIR.absolute() / "runs" / f"failover-kafka-{uuid.uuid4().hex[:8]}",
-                            partitions=4, heap_mb=768)  # fmt: skip
-        own.start()
+    own = EmbeddedKafka(
+        BENCH_DIR.absolute() / "runs" / f"failover-kafka-{uuid.uuid4().hex[:8]}", partitions=4, heap_mb=768
+    )
+    own.start()
     try:
-        return _run(plan, quick, json_path, plot_path, own or broker, csv_path, holdout, trained)
+        return _run(job, own, csv_path, questions)
     finally:
-        if own is not None:
-            own.stop()
-            shutil.rmtree(own.data_dir / "logs", ignore_errors=True)
+        own.stop()
+        shutil.rmtree(own.data_dir / "logs", ignore_errors=True)
 
 
 def _run(
-    plan: Plan, quick: bool, json_path: str | Path | None, plot_path: str | Path | None, broker: EmbeddedKafka,
-    csv_path: Path, holdout: list[tuple[str, str]], trained: set[str],
-) -> int:  # fmt: skip
-    with BenchEnv("failover", broker=broker) as env:
+    job: BenchRun, broker: EmbeddedKafka, csv_path: Path, questions: tuple[list[tuple[str, str]], set[str]]
+) -> int:
+    plan = QUICK if job.quick else FULL
+    with BenchEnv(job.scenario, broker=broker) as env:
         d = env.deployment("failover", **DEFAULT_PATH)
         s = d.settings()
         pool = Pool(env, d)
@@ -588,55 +649,73 @@ def _run(
         except SurgeError as exc:
             raise BenchError(f"failover workers did not start: {exc}") from exc
         startup_s = time.monotonic() - t_start
-        print("failover: measuring the model alone (L) ...", file=sys.stderr)
-        lim = measure_limit([t for t, _ in holdout], plan.limit_batches)
-        limit = lim["questions_per_s"]
-        rate = LOAD * limit * plan.rate_scale
-        stream = QuestionStream(holdout, seed=13, tenants=tenants_for(rate, s), exclude=trained)
-        pop = Population.for_rate(rate, s)
-        print(f"failover: L = {limit:.1f} questions/s; offering {rate:.1f} req/s", file=sys.stderr)
+        offered = Offered.measure(
+            "failover",
+            questions,
+            s,
+            plan.limit_batches,
+            lambda lim: LOAD * lim * plan.rate_scale,
+            "offering",
+            seed=13,
+        )
+        limit, rate = offered.limit_rps, offered.rate
         bootstrap_before = env.bootstrap
-        run_ = asyncio.run(_drive(env, pool, plan, rate, stream, pop))
+        run_ = asyncio.run(_drive(env, pool, plan, offered))
         bootstrap_after = env.bootstrap
     deadlines = {p: s.deadline_ms(p) for p in PRIORITIES}
     res = analyse(run_, deadlines, s.session_timeout_s, s.partitions)
     t0 = run_["start"]
     out = {
-        "quick": quick,
         "plan": plan.__dict__,
-        "limit": lim, "limit_rps": limit, "offered_rps": round(rate, 2), "load_of_limit": LOAD * plan.rate_scale,
+        "limit": offered.limit,
+        "limit_rps": limit,
+        "offered_rps": round(rate, 2),
+        "load_of_limit": LOAD * plan.rate_scale,
         "settings": default_path_env(s),
-        "workload": {"csv": str(csv_path), "class_mix": dict(CLASS_MIX), "tenants": len(stream.tenants),
-                     "users_per_tier": pop.users},
-        "workers": 2, "worker_startup_s": round(startup_s, 1),
+        "workload": {
+            "csv": str(csv_path),
+            "class_mix": dict(CLASS_MIX),
+            "tenants": len(offered.stream.tenants),
+            "users_per_tier": offered.pop.users,
+        },
+        "workers": 2,
+        "worker_startup_s": round(startup_s, 1),
         "baseline_assigned": run_["baseline_assigned"],
         "broker_restart_failed": run_["broker_restart_failed"],
         "trace_of_lost": run_["trace_of_lost"],
         "broker_same_address_after_restart": bootstrap_before == bootstrap_after,
-        "duration_s": round(run_["end"] - t0, 1), "drain_waited_s": round(run_["drain_waited_s"], 1),
+        "duration_s": round(run_["end"] - t0, 1),
+        "drain_waited_s": round(run_["drain_waited_s"], 1),
         **res,
         "targets": targets(res, s.session_timeout_s),
         "notes": (
-            "lost: acked by the broker, no reply by the end of the drain (it ends early once no reply came for "
-            "drain_idle_s); trace_of_lost says where they are. repeats: request_ids with more than one reply "
-            "record; they differ when any field but timings differs. A repeat belongs to the last event before "
-            "its second reply (a redelivery follows a rebalance); the SIGKILL rate divides by the requests sent "
-            "from 5 s before each kill until the next event. served again: every partition with traffic got a reply produced "
-            "(record timestamp) after the event (after the broker answered again, for the broker restart). "
-            "misses: deadline_exceeded + ok after the class deadline + lost, by the request's created_at "
-            "(its scheduled send time) inside or outside the windows. level 0: from recovery until every worker "
-            "reports level 0 for good (before the next event)."
+            "lost: acked by the broker, no reply by the end of the drain (it ends early once no reply came "
+            "for drain_idle_s); trace_of_lost says where they are. repeats: request_ids with more than one "
+            "reply record; they differ when any field but timings differs. A repeat belongs to the last "
+            "event before its second reply (a redelivery follows a rebalance); the SIGKILL rate divides by "
+            "the requests sent from 5 s before each kill until the next event. served again: every "
+            "partition with traffic got a reply produced (record timestamp) after the event (after the "
+            "broker answered again, for the broker restart). misses: deadline_exceeded + ok after the class "
+            "deadline + lost, by the request's created_at (its scheduled send time) inside or outside the "
+            "windows. level 0: from recovery until every worker reports level 0 for good (before the next "
+            "event)."
         ),
-    }  # fmt: skip
+    }
     events: list[Event] = run_["events"]
 
     def plot(pp: Path) -> None:
         timeline_plot(
-            pp, f"surge bench failover{' (quick)' if quick else ''}: 2 workers at {rate:.0f} req/s",
-            run_["sender"], run_["reader"], run_["scraper"].samples, t0,
+            pp,
+            f"{job.title}: 2 workers at {rate:.0f} req/s",
+            run_["sender"],
+            run_["reader"],
+            run_["scraper"].samples,
+            t0,
             marks=[(e.t, e.label) for e in events],
             spans=[(e.t, e.window_end) for e in events if e.window_end],
-            deadlines=deadlines, with_assigned=True, lag=run_["lag"].totals(),
-        )  # fmt: skip
+            deadlines=deadlines,
+            with_assigned=True,
+            lag=run_["lag"].totals(),
+        )
 
-    return report("failover", out, json_path, plot_path, plot)
+    return report(job, out, plot)

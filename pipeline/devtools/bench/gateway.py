@@ -18,25 +18,24 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pipeline.devtools.bench.common import (
     BANKING_WORDS,
     BASE_ENV,
+    BenchDeployment,
     BenchEnv,
     BenchError,
+    BenchRun,
     HelperProcess,
-    finish,
     latency_summary,
     long_deadlines,
     progress,
     ratio,
     target,
 )
-from pipeline.devtools.broker import EmbeddedKafka, free_port
-
-LONG_DEADLINES = long_deadlines(60_000)
+from pipeline.devtools.bench.report import finish
+from pipeline.devtools.broker import free_port
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,10 @@ class HttpResult:
 
 def body(arm: str, i: int) -> dict[str, Any]:
     t = BANKING_WORDS
-    text = f"Question {i} from {arm}: how do I check the {t[i % 12]} {t[(i // 12) % 12]} on order {i * 7919 % 1000003}?"
+    text = (
+        f"Question {i} from {arm}: how do I check the {t[i % 12]} {t[(i // 12) % 12]} "
+        f"on order {i * 7919 % 1000003}?"
+    )
     return {
         "model": "faq",
         "messages": [{"role": "user", "content": text}],
@@ -125,21 +127,15 @@ def _wait_http_ready(url: str, timeout_s: float = 120.0) -> None:
     raise BenchError(f"{url} not ready after {timeout_s:.0f} s")
 
 
-def run(
-    *,
-    quick: bool = False,
-    json_path: str | Path | None = None,
-    plot_path: str | Path | None = None,
-    broker: EmbeddedKafka | None = None,
-) -> int:
+def run(job: BenchRun) -> int:
     try:
         import pipeline.gateway  # noqa: F401
     except ImportError as exc:
         raise BenchError(
             f"the gateway module cannot be imported ({exc}); the gateway benchmark needs it"
         ) from exc
-    plan = QUICK if quick else FULL
-    with BenchEnv("gateway", broker=broker) as env:
+    plan = QUICK if job.quick else FULL
+    with BenchEnv(job.scenario, broker=job.broker) as env:
         d = env.deployment(
             # distinct prompts: nothing to merge or cache, so both are off and only batching is compared
             "surge",
@@ -149,19 +145,17 @@ def run(
             gateway_timeout_ms=120_000,
             queue_limit_per_class=4096,
             max_batch_size=128,  # the FAQ answerer's own batch cap: 500 connections fill it
-            **LONG_DEADLINES,
+            **long_deadlines(60_000),
         )
         gw_port, sync_port = free_port(), free_port()
+        sync_argv = ["-m", "pipeline.devtools.bench.sync_server", "--port", str(sync_port), "--model", "faq"]
         sync = HelperProcess(
-            [sys.executable, "-m", "pipeline.devtools.bench.sync_server", "--port", str(sync_port), "--model", "faq"],
-            env.run_dir / "sync-server.log", env=dict(BASE_ENV),
-        ).start(env)  # fmt: skip
+            [sys.executable, *sync_argv], env.run_dir / "sync-server.log", env=dict(BASE_ENV)
+        ).start(env)
         startup_s = env.wait_ready([d])
         asyncio.run(_ensure_topics(d))
-        gw = HelperProcess(
-            [sys.executable, "-m", "pipeline.cli", "gateway", "--port", str(gw_port)], env.run_dir / "gateway.log",
-            env=d.env,
-        ).start(env)  # fmt: skip
+        gw_argv = [sys.executable, "-m", "pipeline.cli", "gateway", "--port", str(gw_port)]
+        gw = HelperProcess(gw_argv, env.run_dir / "gateway.log", env=d.env).start(env)
         gw.wait_ready("surge gateway ready", 120)
         sync.wait_ready("sync server ready", 120)
         urls = {
@@ -190,19 +184,20 @@ def run(
                         statuses[s] = statuses.get(s, 0) + n
                 elapsed = sum(p.elapsed_s for p in parts)
                 out[name] = {
-                    "requests": sum(statuses.values()), "ok": statuses.get(200, 0),
+                    "requests": sum(statuses.values()),
+                    "ok": statuses.get(200, 0),
                     "statuses": {str(k): v for k, v in sorted(statuses.items())},
-                    "elapsed_s": round(elapsed, 2), "requests_per_s": round(statuses.get(200, 0) / elapsed, 1),
+                    "elapsed_s": round(elapsed, 2),
+                    "requests_per_s": round(statuses.get(200, 0) / elapsed, 1),
                     "latency_ok": latency_summary(lat),
                     "error_samples": [e for p in parts for e in p.error_samples][:3],
-                }  # fmt: skip
+                }
             return out
 
         arms = asyncio.run(main())
     rps = ratio(arms["surge"]["requests_per_s"], arms["sync"]["requests_per_s"])
     p99s, p99y = arms["surge"]["latency_ok"]["p99_ms"], arms["sync"]["latency_ok"]["p99_ms"]
     result = {
-        "quick": quick,
         "plan": plan.__dict__,
         "worker_startup_s": round(startup_s, 1),
         "arms": arms,
@@ -216,16 +211,19 @@ def run(
         "over the time the senders ran; status 0 = connection error or client timeout. Merging and caching "
         "are off in the surge arm: every prompt is distinct, so neither could serve anything, and the "
         "comparison is micro-batching behind an async gateway against one model call per thread.",
-    }  # fmt: skip
+    }
     return finish(
-        "gateway", result, json_path, plot_path,
-        [("requests/s", {a: v["requests_per_s"] for a, v in arms.items()}),
-         ("p99 latency, ms", {a: v["latency_ok"]["p99_ms"] for a, v in arms.items()}),
-         ("p99.9 latency, ms", {a: v["latency_ok"]["p999_ms"] for a, v in arms.items()})],
-    )  # fmt: skip
+        job,
+        result,
+        [
+            ("requests/s", {a: v["requests_per_s"] for a, v in arms.items()}),
+            ("p99 latency, ms", {a: v["latency_ok"]["p99_ms"] for a, v in arms.items()}),
+            ("p99.9 latency, ms", {a: v["latency_ok"]["p999_ms"] for a, v in arms.items()}),
+        ],
+    )
 
 
-async def _ensure_topics(d: Any) -> None:
+async def _ensure_topics(d: BenchDeployment) -> None:
     from pipeline.admin import ensure_topics
 
     await ensure_topics(d.settings())

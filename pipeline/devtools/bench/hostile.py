@@ -26,9 +26,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.devtools.bench.common import BenchEnv, long_deadlines, progress, target
-from pipeline.devtools.bench.surge import report, tree_rss_kb
-from pipeline.devtools.broker import EmbeddedKafka
+from pipeline.devtools.bench.background import plain_consumer
+from pipeline.devtools.bench.common import (
+    BenchDeployment,
+    BenchEnv,
+    BenchRun,
+    long_deadlines,
+    progress,
+    target,
+)
+from pipeline.devtools.bench.report import figure, report
+from pipeline.devtools.bench.surge import tree_rss_kb
+from pipeline.replay.runner import partitions_of
 from pipeline.settings import Settings
 
 #: the cache bound of the run (entries); the default (100,000) would take the whole run to reach
@@ -42,6 +51,17 @@ GROWING_TABLES = 3
 #: (``pipeline.dedup.NORMALIZE_CACHE`` x 0.3 KB), guard features (``pipeline.guard.FEATURES_CACHE`` x
 #: 3.2 KB) and the merge decision's profiles (2,048 x 18 KB): about 68 MiB full
 TEXT_CACHES_MIB = 80
+#: the worker's settings: the echo model; caches and merging on (their defaults) and rate limits on
+#: (BASE_ENV turns them off); the cache bound lowered; tenant buckets too large to refuse anything;
+#: deadlines no request reaches
+WORKER: dict[str, object] = {
+    "model": "echo",
+    "rate_limit_enabled": True,
+    "cache_max_entries": CACHE_ENTRIES,
+    "tenant_rate_per_s": 1_000_000,
+    "tenant_burst": 2_000_000,
+    **long_deadlines(600_000),
+}
 
 
 @dataclass(frozen=True)
@@ -90,15 +110,14 @@ def stated_bound_mib(start_mib: float, s: Settings) -> float:
     return start_mib + s.cache_max_entries * ENTRY_KIB / 1024 + TEXT_CACHES_MIB + stores * per_store
 
 
-async def _drive(env: BenchEnv, d: Any, plan: Plan, pid: int) -> dict[str, Any]:
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+async def _drive(env: BenchEnv, d: BenchDeployment, plan: Plan, pid: int) -> dict[str, Any]:
+    from aiokafka import AIOKafkaProducer, TopicPartition
 
     from pipeline.admin import ensure_topics
-    from pipeline.compat import refresh_metadata
 
     await ensure_topics(d.settings())
     topics = d.topics
-    consumer = AIOKafkaConsumer(bootstrap_servers=env.bootstrap, enable_auto_commit=False)
+    consumer = plain_consumer(env.bootstrap)
     producer = AIOKafkaProducer(bootstrap_servers=env.bootstrap, linger_ms=5, acks=1)
     await consumer.start()
     await producer.start()
@@ -117,14 +136,7 @@ async def _drive(env: BenchEnv, d: Any, plan: Plan, pid: int) -> dict[str, Any]:
                 await asyncio.wait_for(arrived.wait(), 0.5)
 
     try:
-        parts: set[int] = set()
-        for _ in range(100):
-            parts = consumer.partitions_for_topic(topics.replies) or set()
-            if parts:
-                break
-            await refresh_metadata(consumer)
-            await asyncio.sleep(0.1)
-        tps = [TopicPartition(topics.replies, p) for p in sorted(parts)]
+        tps = [TopicPartition(topics.replies, p) for p in await partitions_of(consumer, topics.replies, 100)]
         consumer.assign(tps)
         await consumer.seek_to_end(*tps)
 
@@ -219,19 +231,10 @@ def _rss_at(samples: list[tuple[float, int, float]], answered: int) -> float | N
     return None
 
 
-def run(
-    *,
-    quick: bool = False,
-    json_path: str | Path | None = None,
-    plot_path: str | Path | None = None,
-    broker: EmbeddedKafka | None = None,
-) -> int:
-    plan = QUICK if quick else FULL
-    with BenchEnv("hostile", broker=broker) as env:
-        d = env.deployment(
-            "worker", model="echo", rate_limit_enabled=True, cache_max_entries=CACHE_ENTRIES,
-            tenant_rate_per_s=1_000_000, tenant_burst=2_000_000, **long_deadlines(600_000),
-        )  # fmt: skip
+def run(job: BenchRun) -> int:
+    plan = QUICK if job.quick else FULL
+    with BenchEnv(job.scenario, broker=job.broker) as env:
+        d = env.deployment("worker", **WORKER)
         startup_s = env.wait_ready([d])
         w = d.workers[0]
         assert w.proc is not None
@@ -245,7 +248,6 @@ def run(
     growth = round((late_peak - half) / half, 4) if half and late_peak else None
     bound = round(stated_bound_mib(out["start_mib"], s), 1)
     result = {
-        "quick": quick,
         "plan": plan.__dict__,
         "worker_startup_s": round(startup_s, 1),
         "mix": "40 % random model names, 30 % new user ids, 20 % new system messages, 10 % new tenants",
@@ -267,22 +269,12 @@ def run(
     }
 
     def plot(pp: Path) -> None:
-        import matplotlib
+        with figure(pp, f"{job.title}: {n:,} requests", figsize=(8, 4)) as (_, ax):
+            ax.plot([a for _, a, _ in samples], [m for _, _, m in samples], label="worker RSS")
+            ax.axhline(bound, color="#e53e3e", linestyle="--", label=f"stated bound {bound:.0f} MiB")
+            ax.set_xlabel("hostile requests answered")
+            ax.set_ylabel("RSS, MiB")
+            ax.set_ylim(bottom=0)
+            ax.legend(loc="lower right")
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 4))
-        ax.plot([a for _, a, _ in samples], [m for _, _, m in samples], label="worker RSS")
-        ax.axhline(bound, color="#e53e3e", linestyle="--", label=f"stated bound {bound:.0f} MiB")
-        ax.set_xlabel("hostile requests answered")
-        ax.set_ylabel("RSS, MiB")
-        ax.set_ylim(bottom=0)
-        ax.legend(loc="lower right")
-        fig.suptitle(f"surge bench hostile{' (quick)' if quick else ''}: {n:,} requests")
-        fig.tight_layout()
-        pp.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(pp, dpi=100)
-        plt.close(fig)
-
-    return report("hostile", result, json_path, plot_path, plot)
+    return report(job, result, plot)

@@ -22,7 +22,6 @@ the merge decision the worker ran (``merge_decision``: learned or threshold).
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,25 +29,19 @@ from typing import Any
 
 from pipeline.client import SurgeClient
 from pipeline.dedup import normalize
+from pipeline.devtools.bench.banking77 import copy_source, light_edit, resolve_csv
 from pipeline.devtools.bench.common import (
     BenchDeployment,
     BenchEnv,
     BenchError,
-    finish,
+    BenchRun,
     latency_summary,
     long_deadlines,
     metric_delta,
-    metric_sum,
-    progress,
     target,
 )
 from pipeline.devtools.bench.load import LoadResult, open_loop
-from pipeline.devtools.broker import EmbeddedKafka
-
-DEFAULT_CSV = Path("../shared/data/banking77/train.csv")
-LONG_DEADLINES = long_deadlines(600_000)
-POLITE_BEFORE = ("Hi, ", "Hello, ", "Please, ", "Hey there, ", "Excuse me, ")
-POLITE_AFTER = (" please", " thanks", " thank you", " please help", " if you can")
+from pipeline.devtools.bench.report import finish
 
 
 @dataclass(frozen=True)
@@ -71,30 +64,6 @@ class Item:
     intent: str
     kind: str  # unique | repeat | edit
     source: int | None  # index of the unique entry a repeat or edit copies
-
-
-def light_edit(text: str, rng: random.Random) -> str:
-    """One or two meaning-preserving edits: case, punctuation, white space, a polite word."""
-    ops = rng.sample(("case", "punct", "space", "polite"), k=rng.choice((1, 2)))
-    out = text
-    for op in ops:
-        if op == "case":
-            out = rng.choice((str.lower, str.upper, str.capitalize, str.title))(out)
-        elif op == "punct":
-            stripped = out.rstrip("?!. ")
-            out = stripped + rng.choice(("", "?", "??", "!", ".", " ?")) if stripped else out
-        elif op == "space":
-            words = out.split(" ")
-            i = rng.randrange(len(words))
-            words[i] = words[i] + " "
-            out = rng.choice(("  ", " ", "")) + " ".join(words) + rng.choice(("", " ", "\t"))
-        else:
-            out = (
-                rng.choice(POLITE_BEFORE) + out[:1].lower() + out[1:]
-                if rng.random() < 0.5
-                else (out.rstrip("?!. ") + rng.choice(POLITE_AFTER) + "?")
-            )
-    return out if out.strip() else text
 
 
 def build_workload(rows: list[tuple[str, str]], n_unique: int, seed: int = 7) -> list[Item]:
@@ -133,7 +102,7 @@ def build_workload(rows: list[tuple[str, str]], n_unique: int, seed: int = 7) ->
             u += 1
             continue
         kind = kinds.pop()
-        src = rng.choice(unique_idx[-300:]) if rng.random() < 0.7 else rng.choice(unique_idx)
+        src = copy_source(rng, unique_idx)
         base = out[src]
         text = base.text if kind == "repeat" else light_edit(base.text, rng)
         out.append(Item(text, base.intent, kind, src))
@@ -175,29 +144,29 @@ def judge(arm: str, tag: str, items: list[Item], res: LoadResult) -> dict[str, A
         if leader.intent != own.intent:
             wrong += 1
             if len(examples) < 10:
-                examples.append({"request": own.text, "intent": own.intent, "leader": leader.text,
-                                 "leader_intent": leader.intent, "similarity": str(rep.similarity)})  # fmt: skip
+                examples.append(
+                    {
+                        "request": own.text,
+                        "intent": own.intent,
+                        "leader": leader.text,
+                        "leader_intent": leader.intent,
+                        "similarity": str(rep.similarity),
+                    }
+                )
     kinds: dict[str, dict[str, int]] = {}
     for rid, rep in res.replies.items():
         k = kinds.setdefault(items[index[rid]].kind, {})
         s = rep.served_from or "error"
         k[s] = k.get(s, 0) + 1
     return {
-        "served_from": served, "served_from_by_kind": kinds, "merged_pairs_checked": pairs,
-        "merged_pairs_unverifiable": unverifiable, "wrong_intent_merges": wrong,
-        "wrong_intent_rate": round(wrong / pairs, 4) if pairs else 0.0, "wrong_examples": examples,
-    }  # fmt: skip
-
-
-def resolve_csv(banking77_csv: str | Path | None) -> Path:
-    path = Path(banking77_csv or os.environ.get("SURGE_BENCH_BANKING77_CSV") or DEFAULT_CSV)
-    if not path.is_file():
-        raise BenchError(
-            f"banking77 CSV not found at {str(path)!r} (absolute {path.absolute()}); the merging benchmark "
-            "needs the banking77 train.csv (text,category): pass banking77_csv= to run_bench or set "
-            "SURGE_BENCH_BANKING77_CSV"
-        )
-    return path
+        "served_from": served,
+        "served_from_by_kind": kinds,
+        "merged_pairs_checked": pairs,
+        "merged_pairs_unverifiable": unverifiable,
+        "wrong_intent_merges": wrong,
+        "wrong_intent_rate": round(wrong / pairs, 4) if pairs else 0.0,
+        "wrong_examples": examples,
+    }
 
 
 async def _measure(
@@ -209,11 +178,14 @@ async def _measure(
     for k in range(plan.chunks):
         chunk = items[k * size : (k + 1) * size]
         for name, (_, c) in arms.items():
-            with progress(len(chunk), f"merging {name} chunk {k + 1}/{plan.chunks}") as bar:
-                res = await open_loop(
-                    c, requests(name, "w", chunk, k * size), rate_per_s=plan.rate_per_s,
-                    timeout_s=plan.timeout_s, drain_s=30, bar=bar,
-                )  # fmt: skip
+            res = await open_loop(
+                c,
+                requests(name, "w", chunk, k * size),
+                rate_per_s=plan.rate_per_s,
+                timeout_s=plan.timeout_s,
+                drain_s=30,
+                desc=f"merging {name} chunk {k + 1}/{plan.chunks}",
+            )
             results[name].merge(res)
     await asyncio.sleep(1.0)  # let the last counters land
     counts: dict[str, dict[str, Any]] = {}
@@ -226,28 +198,20 @@ async def _measure(
                 s: metric_delta(before[name], after, "surge_requests_total", served_from=s)
                 for s in ("model", "cache", "merged", "template", "none")
             },
-            "merged_total": metric_sum(after, "surge_merged_total")
-            - metric_sum(before[name], "surge_merged_total"),
+            "merged_total": metric_delta(before[name], after, "surge_merged_total"),
         }
     return results, counts
 
 
-def run(
-    *,
-    quick: bool = False,
-    json_path: str | Path | None = None,
-    plot_path: str | Path | None = None,
-    broker: EmbeddedKafka | None = None,
-    banking77_csv: str | Path | None = None,
-) -> int:
+def run(job: BenchRun, banking77_csv: str | Path | None = None) -> int:
     from models.faq_train import split_banking77
 
-    plan = QUICK if quick else FULL
-    csv_path = resolve_csv(banking77_csv)
+    plan = QUICK if job.quick else FULL
+    csv_path = resolve_csv(banking77_csv, job.scenario)
     _, holdout = split_banking77(csv_path, 0.15, 77)
     items = build_workload(holdout, min(plan.unique, len(holdout) - 50))
-    common = {"model": "faq", **LONG_DEADLINES, "queue_limit_per_class": 4096}
-    with BenchEnv("merging", broker=broker) as env:
+    common = {"model": "faq", **long_deadlines(600_000), "queue_limit_per_class": 4096}
+    with BenchEnv(job.scenario, broker=job.broker) as env:
         on = env.deployment("surge", dedup_enabled=True, cache_enabled=True, **common)
         off = env.deployment("off", dedup_enabled=False, cache_enabled=False, **common)
         startup_s = env.wait_ready([on, off])
@@ -265,36 +229,36 @@ def run(
         results, counts = asyncio.run(main())
     arms: dict[str, Any] = {}
     for name, res in results.items():
-        if not res.replies:
-            raise BenchError(f"arm {name!r} answered nothing")
+        res.require_replies(name)
         arms[name] = {
-            "sent": res.sent, "answered": len(res.replies), "lost": res.lost,
-            "errors": sum(1 for r in res.replies.values() if r.status != "ok"),
-            "latency": latency_summary(res.ok_latencies()), **counts[name], **judge(name, "w", items, res),
-        }  # fmt: skip
+            **res.counts(),
+            "latency": latency_summary(res.ok_latencies()),
+            **counts[name],
+            **judge(name, "w", items, res),
+        }
     on_items, off_items = arms["surge"]["model_items"], arms["off"]["model_items"]
     saved = round(1 - on_items / off_items, 4) if off_items else None
-    same_answer = sum(
-        1 for i in range(len(items))
-        if (a := results["surge"].replies.get(f"surge-w-{i}")) and (b := results["off"].replies.get(f"off-w-{i}"))
-        and a.answer == b.answer
-    )  # fmt: skip
-    both = sum(
-        1
+    pairs = [
+        (results["surge"].replies.get(f"surge-w-{i}"), results["off"].replies.get(f"off-w-{i}"))
         for i in range(len(items))
-        if f"surge-w-{i}" in results["surge"].replies and f"off-w-{i}" in results["off"].replies
-    )
+    ]
+    same_answer = sum(1 for a, b in pairs if a and b and a.answer == b.answer)
+    both = sum(1 for a, b in pairs if a is not None and b is not None)
+    best_possible = 1 - len({normalize(it.text) for it in items if it.kind == "unique"}) / len(items)
     result = {
-        "quick": quick,
         "plan": plan.__dict__,
-        "data": {"csv": str(csv_path), "holdout_rows": len(holdout), "requests": len(items),
-                 "kinds": {k: sum(1 for it in items if it.kind == k) for k in ("unique", "repeat", "edit")}},
+        "data": {
+            "csv": str(csv_path),
+            "holdout_rows": len(holdout),
+            "requests": len(items),
+            "kinds": {k: sum(1 for it in items if it.kind == k) for k in ("unique", "repeat", "edit")},
+        },
         "semantic_threshold": threshold,
         "merge_decision": decision,
         "worker_startup_s": round(startup_s, 1),
         "arms": arms,
         "model_calls_saved": saved,
-        "model_calls_saved_best_possible": round(1 - len({normalize(it.text) for it in items if it.kind == "unique"}) / len(items), 4),
+        "model_calls_saved_best_possible": round(best_possible, 4),
         "answers_same_as_off": round(same_answer / both, 4) if both else None,
         "targets": [
             target("model calls saved", saved, ">=", 0.60),
@@ -303,10 +267,13 @@ def run(
         "notes": "model calls counted as items sent to the model (surge_batch_size_sum); the FAQ model is "
         "called in micro-batches, so surge_batch_size_count (calls) is also given. Half the workload is "
         "unique, so 50% saved is the ceiling.",
-    }  # fmt: skip
+    }
     return finish(
-        "merging", result, json_path, plot_path,
-        [("items sent to the model", {a: v["model_items"] for a, v in arms.items()}),
-         ("served from (surge arm)", {k: float(v) for k, v in arms["surge"]["served_from"].items()}),
-         ("p50 latency, ms", {a: v["latency"]["p50_ms"] for a, v in arms.items()})],
-    )  # fmt: skip
+        job,
+        result,
+        [
+            ("items sent to the model", {a: v["model_items"] for a, v in arms.items()}),
+            ("served from (surge arm)", {k: float(v) for k, v in arms["surge"]["served_from"].items()}),
+            ("p50 latency, ms", {a: v["latency"]["p50_ms"] for a, v in arms.items()}),
+        ],
+    )

@@ -15,24 +15,21 @@ from __future__ import annotations
 import asyncio
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pipeline.client import SurgeClient
 from pipeline.devtools.bench.common import (
     BenchDeployment,
     BenchEnv,
-    BenchError,
+    BenchRun,
     HelperProcess,
-    finish,
     latency_summary,
     long_deadlines,
-    progress,
     ratio,
     target,
 )
 from pipeline.devtools.bench.load import LoadResult, closed_loop
-from pipeline.devtools.broker import EmbeddedKafka
+from pipeline.devtools.bench.report import finish
 
 
 @dataclass(frozen=True)
@@ -46,7 +43,6 @@ class Plan:
 
 FULL = Plan(rounds=3, per_round=3000, concurrency=256, probe=200, timeout_s=60)
 QUICK = Plan(rounds=1, per_round=300, concurrency=64, probe=30, timeout_s=30)
-LONG_DEADLINES = long_deadlines(60_000)
 
 
 def requests(arm: str, tag: str, n: int) -> list[dict[str, Any]]:
@@ -68,43 +64,43 @@ async def _measure(arms: dict[str, tuple[BenchDeployment, SurgeClient]], plan: P
     probes: dict[str, LoadResult] = {n: LoadResult() for n in arms}
     for r in range(plan.rounds):
         for name, (_, c) in arms.items():
-            with progress(plan.per_round, f"overhead {name} round {r + 1}/{plan.rounds}") as bar:
-                res = await closed_loop(
-                    c, requests(name, f"t{r}", plan.per_round), concurrency=plan.concurrency,
-                    timeout_s=plan.timeout_s, bar=bar,
-                )  # fmt: skip
+            res = await closed_loop(
+                c,
+                requests(name, f"t{r}", plan.per_round),
+                concurrency=plan.concurrency,
+                timeout_s=plan.timeout_s,
+                desc=f"overhead {name} round {r + 1}/{plan.rounds}",
+            )
             throughput[name].merge(res)
         for name, (_, c) in arms.items():
             n = max(1, plan.probe // plan.rounds)
-            with progress(n, f"overhead {name} latency probe") as bar:
-                res = await closed_loop(c, requests(name, f"p{r}", n), concurrency=1, timeout_s=30, bar=bar)
+            res = await closed_loop(
+                c,
+                requests(name, f"p{r}", n),
+                concurrency=1,
+                timeout_s=30,
+                desc=f"overhead {name} latency probe",
+            )
             probes[name].merge(res)
     out: dict[str, Any] = {}
     for name in arms:
         t, p = throughput[name], probes[name]
-        if not t.replies:
-            raise BenchError(f"arm {name!r} answered nothing")
+        t.require_replies(name)
         out[name] = {
-            "sent": t.sent, "answered": len(t.replies), "lost": t.lost,
-            "errors": sum(1 for rep in t.replies.values() if rep.status != "ok"),
-            "throughput_rps": round(t.throughput, 1), "elapsed_s": round(t.elapsed_s, 2),
+            **t.counts(),
+            "throughput_rps": round(t.throughput, 1),
+            "elapsed_s": round(t.elapsed_s, 2),
             "latency_loaded": latency_summary(t.ok_latencies()),
             "latency_idle": latency_summary(p.ok_latencies()),
-        }  # fmt: skip
+        }
     return out
 
 
-def run(
-    *,
-    quick: bool = False,
-    json_path: str | Path | None = None,
-    plot_path: str | Path | None = None,
-    broker: EmbeddedKafka | None = None,
-) -> int:
-    plan = QUICK if quick else FULL
-    with BenchEnv("overhead", broker=broker) as env:
+def run(job: BenchRun) -> int:
+    plan = QUICK if job.quick else FULL
+    with BenchEnv(job.scenario, broker=job.broker) as env:
         surge = env.deployment(
-            "surge", model="echo", dedup_enabled=False, cache_enabled=False, **LONG_DEADLINES
+            "surge", model="echo", dedup_enabled=False, cache_enabled=False, **long_deadlines(60_000)
         )
         plain = env.deployment("plain", model="echo")
         startup_s = env.wait_ready([surge])
@@ -112,12 +108,10 @@ def run(
         async def main() -> dict[str, Any]:
             sc = await surge.client()
             pc = await plain.client()  # creates the plain arm's topics before its loop subscribes
-            helper = HelperProcess(
-                [sys.executable, "-m", "pipeline.devtools.bench.plain_loop", "--bootstrap", env.bootstrap,
-                 "--topic", plain.topics.requests, "--group", plain.env["SURGE_APP_ID"],
-                 "--reply-to", plain.topics.replies],
-                env.run_dir / "plain-loop.log",
-            ).start(env)  # fmt: skip
+            argv = [sys.executable, "-m", "pipeline.devtools.bench.plain_loop", "--bootstrap", env.bootstrap]
+            argv += ["--topic", plain.topics.requests, "--group", plain.env["SURGE_APP_ID"]]
+            argv += ["--reply-to", plain.topics.replies]
+            helper = HelperProcess(argv, env.run_dir / "plain-loop.log").start(env)
             await asyncio.to_thread(helper.wait_ready, "plain loop ready", 60)
             try:
                 return await _measure({"surge": (surge, sc), "plain": (plain, pc)}, plan)
@@ -130,7 +124,6 @@ def run(
     s_p50, p_p50 = arms["surge"]["latency_idle"]["p50_ms"], arms["plain"]["latency_idle"]["p50_ms"]
     added = round(s_p50 - p_p50, 1) if s_p50 is not None and p_p50 is not None else None
     result = {
-        "quick": quick,
         "plan": plan.__dict__,
         "worker_startup_s": round(startup_s, 1),
         "arms": arms,
@@ -141,7 +134,10 @@ def run(
         "plain loop makes one; idle latency includes surge's batch window (max_wait_ms).",
     }
     return finish(
-        "overhead", result, json_path, plot_path,
-        [("requests/s", {a: v["throughput_rps"] for a, v in arms.items()}),
-         ("p50 latency at concurrency 1, ms", {a: v["latency_idle"]["p50_ms"] for a, v in arms.items()})],
-    )  # fmt: skip
+        job,
+        result,
+        [
+            ("requests/s", {a: v["throughput_rps"] for a, v in arms.items()}),
+            ("p50 latency at concurrency 1, ms", {a: v["latency_idle"]["p50_ms"] for a, v in arms.items()}),
+        ],
+    )

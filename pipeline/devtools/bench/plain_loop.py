@@ -29,9 +29,14 @@ def _reply(record: bytes, model: EchoModel) -> tuple[str, bytes, bytes] | None:
             [ModelInput((ChatMessage("user", text),), max_tokens=int(req.get("max_tokens", 256)))]
         )[0]
         reply = {
-            "request_id": req["request_id"], "user_id": req["user_id"], "status": "ok", "answer": out.answer,
-            "finish_reason": out.finish_reason, "served_from": "model", "model_version": model.version,
-        }  # fmt: skip
+            "request_id": req["request_id"],
+            "user_id": req["user_id"],
+            "status": "ok",
+            "answer": out.answer,
+            "finish_reason": out.finish_reason,
+            "served_from": "model",
+            "model_version": model.version,
+        }
     except (ValueError, KeyError, TypeError, IndexError):
         return None
     return req.get("reply_to") or "", req["user_id"].encode(), json.dumps(reply).encode()
@@ -41,9 +46,13 @@ async def serve(bootstrap: str, topic: str, group: str, default_reply_to: str) -
     """Consume ``topic`` forever; prints ``plain loop ready`` once partitions are assigned."""
     model = EchoModel()
     consumer = AIOKafkaConsumer(
-        topic, bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
-        auto_offset_reset="earliest", fetch_max_wait_ms=50,
-    )  # fmt: skip
+        topic,
+        bootstrap_servers=bootstrap,
+        group_id=group,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=50,
+    )
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=2)
     await producer.start()
     await consumer.start()

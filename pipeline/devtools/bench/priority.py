@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pipeline.client import SurgeClient
@@ -28,13 +27,12 @@ from pipeline.devtools.bench.common import (
     BenchDeployment,
     BenchEnv,
     BenchError,
-    finish,
+    BenchRun,
     latency_summary,
-    progress,
     target,
 )
 from pipeline.devtools.bench.load import LoadResult, closed_loop, open_loop
-from pipeline.devtools.broker import EmbeddedKafka
+from pipeline.devtools.bench.report import finish
 
 MIX = (("realtime", 0.10), ("interactive", 0.30), ("batch", 0.60))
 ECHO = {"echo_delay_ms": 20.0, "echo_per_item_ms": 5.0, "max_batch_size": 8, "base_batch_size": 8}
@@ -58,10 +56,15 @@ def mixed_requests(arm: str, tag: str, n: int, seed: int) -> list[dict[str, Any]
     classes = [p for p, _ in MIX]
     weights = [w for _, w in MIX]
     return [
-        {"request_id": f"{arm}-{tag}-{i}", "user_id": f"user-{i % 64}", "prompt": f"{arm} {tag} item {i}",
-         "priority": rng.choices(classes, weights)[0], "max_tokens": 16}
+        {
+            "request_id": f"{arm}-{tag}-{i}",
+            "user_id": f"user-{i % 64}",
+            "prompt": f"{arm} {tag} item {i}",
+            "priority": rng.choices(classes, weights)[0],
+            "max_tokens": 16,
+        }
         for i in range(n)
-    ]  # fmt: skip
+    ]
 
 
 async def measure_capacity(c: SurgeClient, n: int) -> float:
@@ -76,8 +79,7 @@ async def measure_capacity(c: SurgeClient, n: int) -> float:
         for i in range(n)
     ]
     await closed_loop(c, reqs[:40], concurrency=40, timeout_s=30)  # warm-up
-    with progress(n - 40, "priority capacity") as bar:
-        res = await closed_loop(c, reqs[40:], concurrency=48, timeout_s=60, bar=bar)
+    res = await closed_loop(c, reqs[40:], concurrency=48, timeout_s=60, desc="priority capacity")
     if not res.replies:
         raise BenchError("capacity probe got no replies")
     return res.throughput
@@ -100,24 +102,24 @@ def per_class(requests: list[dict[str, Any]], res: LoadResult, deadlines: dict[s
         lost = len(sent) - len(replies)
         misses = expired + late + lost
         out[cls] = {
-            "sent": len(sent), "answered_ok": len(ok_lat), "deadline_ms": deadlines[cls],
-            "deadline_exceeded": expired, "late_ok": late, "other_errors": other_err, "lost": lost,
-            "misses": misses, "miss_rate": round(misses / len(sent), 4) if sent else None,
+            "sent": len(sent),
+            "answered_ok": len(ok_lat),
+            "deadline_ms": deadlines[cls],
+            "deadline_exceeded": expired,
+            "late_ok": late,
+            "other_errors": other_err,
+            "lost": lost,
+            "misses": misses,
+            "miss_rate": round(misses / len(sent), 4) if sent else None,
             "latency_ok": latency_summary(ok_lat),
-        }  # fmt: skip
+        }
     return out
 
 
-def run(
-    *,
-    quick: bool = False,
-    json_path: str | Path | None = None,
-    plot_path: str | Path | None = None,
-    broker: EmbeddedKafka | None = None,
-) -> int:
-    plan = QUICK if quick else FULL
+def run(job: BenchRun) -> int:
+    plan = QUICK if job.quick else FULL
     common = {"model": "echo", **ECHO, "dedup_enabled": False, "cache_enabled": False}
-    with BenchEnv("priority", broker=broker) as env:
+    with BenchEnv(job.scenario, broker=job.broker) as env:
         edf = env.deployment("edf", queue_policy="edf", **common)
         fifo = env.deployment("fifo", queue_policy="fifo", **common)
         startup_s = env.wait_ready([edf, fifo])
@@ -138,24 +140,25 @@ def run(
                 for k in range(plan.segments):
                     for name, (_, c) in clients.items():
                         reqs = mixed_requests(name, f"s{k}", n, seed=k)  # same class sequence in both arms
-                        with progress(
-                            n, f"priority {name} segment {k + 1}/{plan.segments} @ {rate:.0f}/s"
-                        ) as bar:
-                            res = await open_loop(
-                                c,
-                                reqs,
-                                rate_per_s=rate,
-                                timeout_s=plan.segment_s + 1,
-                                drain_s=plan.drain_s,
-                                bar=bar,
-                            )
+                        res = await open_loop(
+                            c,
+                            reqs,
+                            rate_per_s=rate,
+                            timeout_s=plan.segment_s + 1,
+                            drain_s=plan.drain_s,
+                            desc=f"priority {name} segment {k + 1}/{plan.segments} @ {rate:.0f}/s",
+                        )
                         sent[name].extend(reqs[: res.sent])
                         results[name].merge(res)
                 arms = {
-                    name: {"offered_rps": round(rate, 1), "sent": results[name].sent,
-                           "answered": len(results[name].replies), "classes": per_class(sent[name], results[name], deadlines)}
+                    name: {
+                        "offered_rps": round(rate, 1),
+                        "sent": results[name].sent,
+                        "answered": len(results[name].replies),
+                        "classes": per_class(sent[name], results[name], deadlines),
+                    }
                     for name in clients
-                }  # fmt: skip
+                }
                 return capacity, arms
             finally:
                 await edf.close()
@@ -163,10 +166,10 @@ def run(
 
         capacity, arms = asyncio.run(main())
     rt_edf, rt_fifo = arms["edf"]["classes"]["realtime"], arms["fifo"]["classes"]["realtime"]
+    one_full_batch_ms = ECHO["echo_delay_ms"] + ECHO["echo_per_item_ms"] * ECHO["max_batch_size"]
     result = {
-        "quick": quick,
         "plan": plan.__dict__,
-        "model": {"echo": ECHO, "one_full_batch_ms": ECHO["echo_delay_ms"] + ECHO["echo_per_item_ms"] * ECHO["max_batch_size"]},
+        "model": {"echo": ECHO, "one_full_batch_ms": one_full_batch_ms},
         "capacity_rps": round(capacity, 1),
         "overload": OVERLOAD,
         "mix": dict(MIX),
@@ -179,10 +182,13 @@ def run(
         ],
         "notes": "latency is the client's send-to-reply time; misses count deadline_exceeded replies, "
         "answers after the deadline and lost requests. Degradation off in both arms.",
-    }  # fmt: skip
+    }
     classes = [p for p, _ in MIX]
-    return finish(
-        "priority", result, json_path, plot_path,
-        [(f"p99 latency ms ({a})", {c: arms[a]["classes"][c]["latency_ok"]["p99_ms"] for c in classes}) for a in arms]
-        + [(f"miss rate ({a})", {c: arms[a]["classes"][c]["miss_rate"] for c in classes}) for a in arms],
-    )  # fmt: skip
+    p99s = [
+        (f"p99 latency ms ({a})", {c: v["classes"][c]["latency_ok"]["p99_ms"] for c in classes})
+        for a, v in arms.items()
+    ]
+    misses = [
+        (f"miss rate ({a})", {c: v["classes"][c]["miss_rate"] for c in classes}) for a, v in arms.items()
+    ]
+    return finish(job, result, p99s + misses)

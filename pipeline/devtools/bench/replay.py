@@ -25,17 +25,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from pipeline.client import SurgeClient
-from pipeline.devtools.bench.common import BENCH_DIR, BenchEnv, finish, latency_summary, progress, target
-from pipeline.devtools.broker import EmbeddedKafka
+from pipeline.devtools.bench.background import Background, plain_consumer
+from pipeline.devtools.bench.common import BENCH_DIR, BenchEnv, BenchRun, latency_summary, progress, target
+from pipeline.devtools.bench.report import finish
 from pipeline.devtools.demo import workload
 from pipeline.devtools.samples import QUESTIONS
 from pipeline.records import InferenceReply, now_ms
 from pipeline.replay import compare
-from pipeline.replay.runner import ReplayOptions, run_replay
+from pipeline.replay.runner import ReplayOptions, ReplayResult, run_replay
 
 
 @dataclass(frozen=True)
@@ -51,27 +52,20 @@ FULL = Plan(model="faq", record_s=180, rate_per_s=20, probe_per_s=4, baseline_s=
 QUICK = Plan(model="echo", record_s=6, rate_per_s=20, probe_per_s=4, baseline_s=4)
 
 
-class Probes:
+class Probes(Background):
     """Real-time requests to the live deployment at a steady rate; their latencies by phase."""
 
     def __init__(self, client: SurgeClient, per_s: float) -> None:
+        super().__init__()
         self.client, self.per_s = client, per_s
         self.latency: dict[str, list[float]] = {}
         self.errors: dict[str, int] = {}
         self.phase = "baseline"
-        self._task: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[None]] = set()
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        """Stop sending, then wait (10 s at most) for the probes still out."""
+        await super().stop()
         if self._pending:
             await asyncio.wait(self._pending, timeout=10)
 
@@ -93,7 +87,7 @@ class Probes:
         if reply.status != "ok":
             self.errors[phase] = self.errors.get(phase, 0) + 1
 
-    async def _run(self) -> None:
+    async def _loop(self) -> None:
         i = 0
         start = time.perf_counter()
         while True:
@@ -114,7 +108,7 @@ async def _live_state(bootstrap: str, app_id: str, prefix: str) -> dict[str, Any
         topics = sorted(t for t in await admin.list_topics() if t.startswith((prefix, f"{app_id}-")))
     finally:
         await admin.close()
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+    consumer = plain_consumer(bootstrap)
     await consumer.start()
     try:
         await consumer.topics()
@@ -137,19 +131,13 @@ async def _live_state(bootstrap: str, app_id: str, prefix: str) -> dict[str, Any
     }
 
 
-def run(
-    *,
-    quick: bool = False,
-    json_path: str | Path | None = None,
-    plot_path: str | Path | None = None,
-    broker: EmbeddedKafka | None = None,
-) -> int:
-    plan = QUICK if quick else FULL
+def run(job: BenchRun) -> int:
+    plan = QUICK if job.quick else FULL
     # a broker folder of its own: another benchmark may be running on the shared one
-    with BenchEnv("replay", broker=broker, bench_dir=BENCH_DIR / "replay") as env:
+    with BenchEnv(job.scenario, broker=job.broker, bench_dir=BENCH_DIR / "replay") as env:
         live = env.deployment(
-            "live", model=plan.model, rate_limit_enabled=True, degrade_enabled=True, replay_nice=10,
-        )  # fmt: skip
+            "live", model=plan.model, rate_limit_enabled=True, degrade_enabled=True, replay_nice=10
+        )
         startup_s = env.wait_ready([live])
         out_dir = env.run_dir / "replays"
 
@@ -179,44 +167,38 @@ def run(
             recorded = [f.result() for f in futs if f.done() and not f.cancelled()]
             # 2. live p99 without a replay
             probes = Probes(client, plan.probe_per_s)
-            probes.start()
+            await probes.start()
             await asyncio.sleep(plan.baseline_s)
-            # 3. replay A, with the probes running
-            probes.phase = "during_replay"
-            a = await run_replay(
-                ReplayOptions(
+
+            async def replay(replay_id: str, quiet: bool) -> ReplayResult:
+                """The recorded range replayed once, into a folder of its own."""
+                options = ReplayOptions(
                     topic="requests",
                     from_ms=from_ms,
                     to_ms=to_ms,
-                    out_dir=out_dir / "a",
-                    replay_id="a",
-                    quiet=False,
-                ),
-                s,
-            )
+                    out_dir=out_dir / replay_id,
+                    replay_id=replay_id,
+                    quiet=quiet,
+                )
+                return await run_replay(options, s)
+
+            # 3. replay A, with the probes running
+            probes.phase = "during_replay"
+            a = await replay("a", quiet=False)
             probes.phase = "after"
             await probes.stop()
             await asyncio.sleep(2)  # the live worker commits what it finished
             before = await _live_state(live.bootstrap, s.app_id, s.topic_prefix)
             # 4. replay B, with no live traffic: live state before and after must be equal
-            b = await run_replay(
-                ReplayOptions(
-                    topic="requests",
-                    from_ms=from_ms,
-                    to_ms=to_ms,
-                    out_dir=out_dir / "b",
-                    replay_id="b",
-                    quiet=True,
-                ),
-                s,
-            )
+            b = await replay("b", quiet=True)
             after = await _live_state(live.bootstrap, s.app_id, s.topic_prefix)
             same = sum(
                 1
                 for k, r in a.replies.items()
-                if k in b.replies and compare.outcome(r) == compare.outcome(b.replies[k])
+                if k in b.replies
+                and compare.outcome(r) == compare.outcome(b.replies[k])
                 and r.get("model_version") == b.replies[k].get("model_version")
-            )  # fmt: skip
+            )
             await live.close()
             return {
                 "recorded": {"sent": n, "answered": len(recorded), "from_ms": from_ms, "to_ms": to_ms},
@@ -241,8 +223,8 @@ def run(
     det = res["determinism"]
     p99_during = (res["live_p99"].get("during_replay") or {}).get("p99_ms")
     p99_base = (res["live_p99"].get("baseline") or {}).get("p99_ms")
+    identical = det["identical_outcomes"] / max(1, det["joined"])
     result = {
-        "quick": quick,
         "plan": plan.__dict__,
         "live_worker_startup_s": round(startup_s, 1),
         **res,
@@ -255,12 +237,7 @@ def run(
                 ">=",
                 0.999,
             ),
-            target(
-                "identical outcomes, replay A vs B",
-                det["identical_outcomes"] / max(1, det["joined"]),
-                ">=",
-                1.0,
-            ),
+            target("identical outcomes, replay A vs B", identical, ">=", 1.0),
             target("live real-time p99 during the replay, ms", p99_during, "<=", 200),
             target(
                 "live state unchanged by a replay",
@@ -270,13 +247,16 @@ def run(
             ),
         ],
     }
-    jp = Path(json_path) if json_path else None
+    jp = Path(job.json_path) if job.json_path else None
     if jp is not None:
         jp.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(res["report_png"], jp.with_name(jp.stem + "-report.png"))
     return finish(
-        "replay", result, json_path, plot_path,
-        [("x real time", {"replay A": speed, "replay B": res["replay_b"]["replay"]["speed_factor"]}),
-         ("share", {"reproduced": agree, "identical A/B": det["identical_outcomes"] / max(1, det["joined"])}),
-         ("live real-time p99, ms", {"no replay": p99_base, "during replay": p99_during})],
-    )  # fmt: skip
+        job,
+        result,
+        [
+            ("x real time", {"replay A": speed, "replay B": res["replay_b"]["replay"]["speed_factor"]}),
+            ("share", {"reproduced": agree, "identical A/B": identical}),
+            ("live real-time p99, ms", {"no replay": p99_base, "during replay": p99_during}),
+        ],
+    )

@@ -27,25 +27,30 @@ import dataclasses
 import json
 import sys
 import time
-from pathlib import Path
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
-from pipeline.compat import refresh_metadata
+from pipeline.devtools.bench.background import Background, plain_consumer
 from pipeline.devtools.bench.common import (
     BENCH_DIR,
     BenchEnv,
     BenchError,
-    finish,
+    BenchRun,
     latency_summary,
+    metric_delta,
     ratio,
     scrape,
     target,
 )
+from pipeline.devtools.bench.report import finish
 from pipeline.devtools.bench.risk_check import check_decisions, read_arrivals
-from pipeline.devtools.broker import EmbeddedKafka
+from pipeline.replay.runner import partitions_of
 from pipeline.risk.records import RiskDecision
 from pipeline.risk.simulate import DAY_MS, SimConfig, as_event, disorder, simulate
 from pipeline.riskops import RISK_READY
+
+if TYPE_CHECKING:
+    from aiokafka import AIOKafkaProducer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +72,36 @@ class Plan:
     warm_days: float
 
 
-FULL = Plan(rate=1000, steady_s=60, burst_factor=3, burst_s=30, capacity_events=20_000, within_share=0.3,
-            within_s=30, crash_s=20, kill_at_s=8, max_within_rate=1500, eval_customers=2000, eval_days=7,
-            warm_days=3)  # fmt: skip
-QUICK = Plan(rate=150, steady_s=4, burst_factor=3, burst_s=2, capacity_events=1_500, within_share=0.3,
-             within_s=4, crash_s=5, kill_at_s=2, max_within_rate=400, eval_customers=400, eval_days=3,
-             warm_days=2)  # fmt: skip
+FULL = Plan(
+    rate=1000,
+    steady_s=60,
+    burst_factor=3,
+    burst_s=30,
+    capacity_events=20_000,
+    within_share=0.3,
+    within_s=30,
+    crash_s=20,
+    kill_at_s=8,
+    max_within_rate=1500,
+    eval_customers=2000,
+    eval_days=7,
+    warm_days=3,
+)
+#: the same phases, each small
+QUICK = dataclasses.replace(
+    FULL,
+    rate=150,
+    steady_s=4,
+    burst_s=2,
+    capacity_events=1_500,
+    within_s=4,
+    crash_s=5,
+    kill_at_s=2,
+    max_within_rate=400,
+    eval_customers=400,
+    eval_days=3,
+    warm_days=2,
+)
 GRACE_MS = 5_000
 
 
@@ -88,39 +117,25 @@ def _stream(n: int, seed: int = 101) -> list[dict[str, Any]]:
     return disorder(events[:n], share=0.05, late_share=0.001, grace_ms=GRACE_MS, seed=seed)
 
 
-class _Collector:
+class _Collector(Background):
     """Reads every decision (raw) with its arrival time; parsed after the run."""
 
     def __init__(self, bootstrap: str, topic: str) -> None:
-        from aiokafka import AIOKafkaConsumer
-
+        super().__init__()
         self.topic = topic
-        self.consumer = AIOKafkaConsumer(
-            bootstrap_servers=bootstrap,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            fetch_max_wait_ms=20,
-        )
+        self.consumer = plain_consumer(bootstrap, auto_offset_reset="earliest", fetch_max_wait_ms=20)
         self.raw: list[tuple[bytes, float]] = []
-        self.task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         from aiokafka import TopicPartition
 
         await self.consumer.start()
-        parts = self.consumer.partitions_for_topic(self.topic) or set()
-        for _ in range(100):
-            if parts:
-                break
-            await refresh_metadata(self.consumer)
-            await asyncio.sleep(0.1)
-            parts = self.consumer.partitions_for_topic(self.topic) or set()
-        tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
+        tps = [TopicPartition(self.topic, p) for p in await partitions_of(self.consumer, self.topic, 100)]
         self.consumer.assign(tps)
         await self.consumer.seek_to_beginning(*tps)
-        self.task = asyncio.create_task(self._read())
+        await super().start()
 
-    async def _read(self) -> None:
+    async def _loop(self) -> None:
         while True:
             batch = await self.consumer.getmany(timeout_ms=100)
             now = time.monotonic()
@@ -128,20 +143,20 @@ class _Collector:
                 self.raw.extend((r.value, now) for r in records)
 
     async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            try:
-                await self.task
-            except asyncio.CancelledError:
-                pass
+        await super().stop()
         await self.consumer.stop()
 
     def decisions(self) -> list[RiskDecision]:
         return [RiskDecision.model_validate_json(v) for v, _ in self.raw]
 
 
-async def _send(producer: Any, topic: str, events: list[dict[str, Any]], rate: float | None, bar: Any = None,
-                at: dict[int, Any] | None = None) -> float:  # fmt: skip
+async def _send(
+    producer: AIOKafkaProducer,
+    topic: str,
+    events: list[dict[str, Any]],
+    rate: float | None,
+    at: dict[int, Callable[[], Awaitable[None]]] | None = None,
+) -> float:
     """Send ``events`` at ``rate`` per second (None: as fast as possible); seconds taken. ``at``: callbacks
     to run after sending the event of that index (the crash)."""
     start = time.monotonic()
@@ -154,8 +169,6 @@ async def _send(producer: Any, topic: str, events: list[dict[str, Any]], rate: f
         if at and i in at:
             await producer.flush()
             await at[i]()
-        if bar is not None and i % 200 == 0:
-            bar.update(min(200, len(events) - i))
     await producer.flush()
     return time.monotonic() - start
 
@@ -186,9 +199,8 @@ def _patience(n: int) -> float:
 def _phase(
     decisions: dict[str, RiskDecision], ids: list[str], seconds: float, wall_s: float
 ) -> dict[str, Any]:
-    lat = [
-        decisions[i].timings.produce_to_decision_ms for i in ids if i in decisions and decisions[i].timings
-    ]
+    timings = [decisions[i].timings for i in ids if i in decisions]
+    lat = [t.produce_to_decision_ms for t in timings if t is not None]
     return {
         "events": len(ids),
         "offered_rate": round(len(ids) / seconds, 1) if seconds else None,
@@ -206,26 +218,28 @@ def evaluate_model(plan: Plan) -> dict[str, Any]:
     model = RiskModel.load()
     trained = model.meta.get("sim_config") or {}
     start = int(trained.get("start_ms", SimConfig().start_ms) + trained.get("days", 14) * DAY_MS)
-    cfg = SimConfig(customers=plan.eval_customers, days=plan.warm_days + plan.eval_days, seed=int(trained.get("seed", 7)),
-              start_ms=start)  # fmt: skip
+    cfg = SimConfig(
+        customers=plan.eval_customers,
+        days=plan.warm_days + plan.eval_days,
+        seed=int(trained.get("seed", 7)),
+        start_ms=start,
+    )
     X, y, times, rows = replay(simulate(cfg))
     later = [t >= start + plan.warm_days * DAY_MS for t in times]
     mask = np.asarray(later)
     report = evaluate(model, X[mask], y[mask], [r for r, m in zip(rows, later, strict=True) if m])
-    report["period"] = {"start_ms": int(start + plan.warm_days * DAY_MS), "days": plan.eval_days,
-                        "customers": plan.eval_customers, "seed": cfg.seed}  # fmt: skip
+    report["period"] = {
+        "start_ms": int(start + plan.warm_days * DAY_MS),
+        "days": plan.eval_days,
+        "customers": plan.eval_customers,
+        "seed": cfg.seed,
+    }
     report["model_version"] = model.version
     return report
 
 
-def run(
-    *,
-    quick: bool = False,
-    json_path: str | Path | None = None,
-    plot_path: str | Path | None = None,
-    broker: EmbeddedKafka | None = None,
-) -> int:
-    plan = QUICK if quick else FULL
+def run(job: BenchRun) -> int:
+    plan = QUICK if job.quick else FULL
     n_steady = int(plan.rate * plan.steady_s)
     n_burst = int(plan.rate * plan.burst_factor * plan.burst_s)
     n_later = int(plan.max_within_rate * (plan.within_s + plan.crash_s))
@@ -237,7 +251,7 @@ def run(
     capacity = events[n_steady + n_burst : n_steady + n_burst + plan.capacity_events]
     later = events[n_steady + n_burst + plan.capacity_events :]
     # a broker of its own (.surge-bench/risk/kafka): other scenarios restart theirs, and this one runs long
-    with BenchEnv("risk", broker=broker, bench_dir=BENCH_DIR / "risk") as env:
+    with BenchEnv(job.scenario, broker=job.broker, bench_dir=BENCH_DIR / "risk") as env:
         d = env.deployment("risk", role="risk", risk_grace_ms=GRACE_MS)
         settings = d.settings()
 
@@ -264,23 +278,32 @@ def run(
                 await _send(producer, topic, warm, 300)
                 await _wait_for(collector, {e["event_id"] for e in warm}, 120, "warm-up")
                 phases: dict[str, tuple[list[str], float, float]] = {}
+
+                async def run_phase(
+                    name: str,
+                    evs: list[dict[str, Any]],
+                    rate: float | None,
+                    what: str | None = None,
+                    at: dict[int, Callable[[], Awaitable[None]]] | None = None,
+                ) -> None:
+                    """Send ``evs``, wait for all their decisions (``what`` names the phase if they do
+                    not come); ``phases[name]``: the ids, seconds sending, seconds until all decided."""
+                    t = time.monotonic()
+                    sent_s = await _send(producer, topic, evs, rate, at=at)
+                    await _wait_for(
+                        collector, {e["event_id"] for e in evs}, _patience(len(evs)), what or name
+                    )
+                    phases[name] = ([e["event_id"] for e in evs], sent_s, time.monotonic() - t)
+
                 for name, evs, rate in (
                     ("steady", steady, plan.rate),
                     ("burst", burst, plan.rate * plan.burst_factor),
                 ):
                     print(f"risk bench: {name}, {len(evs)} events at {rate:g}/s", file=sys.stderr)
-                    t = time.monotonic()
-                    sent_s = await _send(producer, topic, evs, rate)
-                    await _wait_for(collector, {e["event_id"] for e in evs}, _patience(len(evs)), name)
-                    phases[name] = ([e["event_id"] for e in evs], sent_s, time.monotonic() - t)
+                    await run_phase(name, evs, rate)
                 print(f"risk bench: capacity, {len(capacity)} events as fast as possible", file=sys.stderr)
                 m0 = scrape(w.metrics())
-                t = time.monotonic()
-                sent_s = await _send(producer, topic, capacity, None)
-                await _wait_for(
-                    collector, {e["event_id"] for e in capacity}, _patience(len(capacity)), "capacity"
-                )
-                phases["capacity"] = ([e["event_id"] for e in capacity], sent_s, time.monotonic() - t)
+                await run_phase("capacity", capacity, None)
                 m1 = scrape(w.metrics())
 
                 rate = max(
@@ -289,13 +312,13 @@ def run(
                 within = later[: int(rate * plan.within_s)]
                 crash = later[len(within) : len(within) + int(rate * plan.crash_s)]
                 print(f"risk bench: within capacity, {len(within)} events at {rate:.0f}/s", file=sys.stderr)
-                t = time.monotonic()
-                sent_s = await _send(producer, topic, within, rate)
-                await _wait_for(collector, {e["event_id"] for e in within}, _patience(len(within)), "within")
-                phases["within_capacity"] = ([e["event_id"] for e in within], sent_s, time.monotonic() - t)
+                await run_phase("within_capacity", within, rate, what="within")
 
-                print(f"risk bench: crash, {len(crash)} events at {rate:.0f}/s, SIGKILL after {plan.kill_at_s:g} s",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"risk bench: crash, {len(crash)} events at {rate:.0f}/s, "
+                    f"SIGKILL after {plan.kill_at_s:g} s",
+                    file=sys.stderr,
+                )
                 kill_index = int(rate * plan.kill_at_s)
                 restart: dict[str, float] = {}
 
@@ -306,10 +329,7 @@ def run(
                     await asyncio.to_thread(w2.wait_ready, RISK_READY, 240)
                     restart["ready"] = time.monotonic()
 
-                t = time.monotonic()
-                sent_s = await _send(producer, topic, crash, rate, at={kill_index: kill_and_restart})
-                await _wait_for(collector, {e["event_id"] for e in crash}, _patience(len(crash)), "crash")
-                phases["crash"] = ([e["event_id"] for e in crash], sent_s, time.monotonic() - t)
+                await run_phase("crash", crash, rate, at={kill_index: kill_and_restart})
                 await asyncio.sleep(3)  # repeats of decisions made just before the kill
                 m2 = scrape(d.workers[-1].metrics())
                 print("risk bench: reading the topics for the brute-force check ...", file=sys.stderr)
@@ -328,21 +348,9 @@ def run(
                 out[name] = _phase(first, ids, sent_s, wall_s)
             out["capacity"]["events_per_s_per_worker"] = out["capacity"]["decided_per_s"]
             out["crash"]["restart_s"] = round(restart["ready"] - restart["killed"], 1) if restart else None
-            hits = sum(
-                v
-                for (n, lab), v in m1.items()
-                if n == "surge_risk_feature_cache_total" and ("result", "hit") in lab
-            )
-            reads = sum(v for (n, _), v in m1.items() if n == "surge_risk_feature_cache_total")
-            hits0 = sum(
-                v
-                for (n, lab), v in m0.items()
-                if n == "surge_risk_feature_cache_total" and ("result", "hit") in lab
-            )
-            reads0 = sum(v for (n, _), v in m0.items() if n == "surge_risk_feature_cache_total")
-            out["feature_cache_hit_share"] = (
-                round((hits - hits0) / (reads - reads0), 4) if reads > reads0 else None
-            )
+            hits = metric_delta(m0, m1, "surge_risk_feature_cache_total", result="hit")
+            reads = metric_delta(m0, m1, "surge_risk_feature_cache_total")
+            out["feature_cache_hit_share"] = round(hits / reads, 4) if reads > 0 else None
             out["late_events_after_restart"] = m2.get(("surge_risk_late_events_total", ()))
             outcomes: dict[str, int] = {}
             for dec in first.values():
@@ -359,7 +367,6 @@ def run(
     cap = arms["capacity"]["events_per_s_per_worker"]
     recall_ratio = ratio(quality["model"]["recall"], quality["rules"]["recall"])
     result = {
-        "quick": quick,
         "plan": dataclasses.asdict(plan),
         **arms,
         "model_quality": quality,
@@ -384,15 +391,33 @@ def run(
         "loop: above the worker's capacity the backlog grows and shows as latency. The within-capacity "
         "and crash phases run at 30 % of the capacity measured before them.",
     }
+    within = arms["within_capacity"]["latency"]
     return finish(
-        "risk", result, json_path, plot_path,
-        [("p99 produce-to-decision, ms", {"steady": p99_steady, "burst": p99_burst,
-                                          "crash": arms["crash"]["latency"]["p99_ms"]}),
-         ("within capacity, ms", {"p50": arms["within_capacity"]["latency"]["p50_ms"],
-                                  "p99": arms["within_capacity"]["latency"]["p99_ms"]}),
-         ("events/s", {"offered steady": arms["steady"]["offered_rate"], "offered burst": arms["burst"]["offered_rate"],
-                       "worker capacity": cap}),
-         ("recall at 1% FPR", {"model": quality["model"]["recall"], "rules": quality["rules"]["recall"]}),
-         ("decisions", {"checked": chk["decisions_checked"], "feature mismatches": chk["mismatched_decisions"],
-                        "missing": chk["missing"], "repeats": chk["repeated_decisions"]})],
-    )  # fmt: skip
+        job,
+        result,
+        [
+            (
+                "p99 produce-to-decision, ms",
+                {"steady": p99_steady, "burst": p99_burst, "crash": arms["crash"]["latency"]["p99_ms"]},
+            ),
+            ("within capacity, ms", {"p50": within["p50_ms"], "p99": within["p99_ms"]}),
+            (
+                "events/s",
+                {
+                    "offered steady": arms["steady"]["offered_rate"],
+                    "offered burst": arms["burst"]["offered_rate"],
+                    "worker capacity": cap,
+                },
+            ),
+            ("recall at 1% FPR", {"model": quality["model"]["recall"], "rules": quality["rules"]["recall"]}),
+            (
+                "decisions",
+                {
+                    "checked": chk["decisions_checked"],
+                    "feature mismatches": chk["mismatched_decisions"],
+                    "missing": chk["missing"],
+                    "repeats": chk["repeated_decisions"],
+                },
+            ),
+        ],
+    )

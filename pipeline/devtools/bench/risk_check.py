@@ -10,14 +10,14 @@ that exactly the late events were decided as late. Used by ``surge bench risk`` 
 
 from __future__ import annotations
 
-import asyncio
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 
-from pipeline.compat import refresh_metadata
+from pipeline.devtools.bench.background import plain_consumer
+from pipeline.replay.runner import partitions_of
 from pipeline.risk.features import NAMES, FeatureConfig
 from pipeline.risk.records import ENTITY_KINDS, InvalidRiskEventError, RiskDecision, decode_event
 from pipeline.risk.reference import compare, recompute
@@ -28,17 +28,10 @@ from pipeline.topics import TopicNames
 
 async def read_all(bootstrap: str, topic: str, options: dict[str, Any] | None = None) -> dict[int, list[Any]]:
     """Every record of ``topic`` up to its current end, by partition, in offset order."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, **(options or {}))
+    consumer = plain_consumer(bootstrap, options)
     await consumer.start()
     try:
-        parts: set[int] = set()
-        for _ in range(100):
-            parts = consumer.partitions_for_topic(topic) or set()
-            if parts:
-                break
-            await refresh_metadata(consumer)
-            await asyncio.sleep(0.1)
-        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        tps = [TopicPartition(topic, p) for p in await partitions_of(consumer, topic, 100)]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         end = await consumer.end_offsets(tps)

@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -48,20 +47,20 @@ from typing import Any
 
 from pipeline.compat import refresh_metadata
 from pipeline.dedup import normalize
+from pipeline.devtools.bench.background import Background, plain_consumer
+from pipeline.devtools.bench.banking77 import copy_source, light_edit, resolve_csv, unseen_questions
 from pipeline.devtools.bench.common import (
     BenchDeployment,
     BenchEnv,
     BenchError,
-    default_paths,
-    environment,
+    BenchRun,
     latency_summary,
     scrape,
     target,
-    write_json,
 )
-from pipeline.devtools.bench.merging import light_edit
-from pipeline.devtools.broker import EmbeddedKafka
+from pipeline.devtools.bench.report import figure, report
 from pipeline.kafka_security import client_options
+from pipeline.replay.runner import partitions_of
 from pipeline.settings import PRIORITIES, Settings
 from pipeline.topics import TopicNames
 
@@ -78,27 +77,6 @@ DETAILS = (
     "Account {n} here. {q}",
 )
 SCRAPE_INTERVAL_S = 0.5
-
-
-def _default_csv() -> Path:
-    here = Path(__file__).resolve().parents[3]  # the repository root
-    for base in (here.parent / "shared" / "data", Path("../shared/data")):
-        p = base / "banking77" / "train.csv"
-        if p.is_file():
-            return p
-    return here.parent / "shared" / "data" / "banking77" / "train.csv"
-
-
-def resolve_csv(banking77_csv: str | Path | None, scenario: str) -> Path:
-    """The banking77 ``train.csv``: given, ``SURGE_BENCH_BANKING77_CSV``, or ``../shared/data``."""
-    path = Path(banking77_csv or os.environ.get("SURGE_BENCH_BANKING77_CSV") or _default_csv())
-    if not path.is_file():
-        raise BenchError(
-            f"banking77 CSV not found at {str(path)!r} (absolute {path.absolute()}); the {scenario} "
-            "benchmark asks held-out banking77 questions: pass --data PATH (banking77_csv= to run_bench) "
-            "or set SURGE_BENCH_BANKING77_CSV"
-        )
-    return path
 
 
 # ---- workload ------------------------------------------------------------------------------------
@@ -160,11 +138,7 @@ class QuestionStream:
             q = self._new_unique()
             self.unique_idx.append(len(self.items))
         else:
-            src = (
-                self.rng.choice(self.unique_idx[-300:])
-                if self.rng.random() < 0.7
-                else self.rng.choice(self.unique_idx)
-            )
+            src = copy_source(self.rng, self.unique_idx)
             base = self.items[src]
             if r < UNIQUE_SHARE + REPEAT_SHARE:
                 q = Question(base.text, base.intent, "repeat", src, base.tenant)
@@ -199,15 +173,6 @@ class Population:
         k = self._turn.get((tenant, tier), 0)
         self._turn[(tenant, tier)] = k + 1
         return tier, cls_, f"{tenant}-{tier}-u{k % self.users[tier]}"
-
-
-def unseen_questions(csv_path: Path) -> tuple[list[tuple[str, str]], set[str]]:
-    """The held-out banking77 rows (the answerer's training split left them out) and the normalised
-    texts it was trained on (the training split and the project's own example questions)."""
-    from models.faq_train import intent_examples, split_banking77
-
-    train, holdout = split_banking77(csv_path, 0.15, 77)
-    return holdout, {normalize(t) for t, _ in [*train, *intent_examples()]}
 
 
 def tenants_for(peak_rps: float, s: Settings) -> int:
@@ -294,16 +259,16 @@ class Sample:
     assigned: int | None = None
 
 
-class Scraper:
+class Scraper(Background):
     """Scrapes ``/metrics`` (and ``/status`` when asked) of the workers ``targets()`` names, every 0.5 s."""
 
     def __init__(
         self, targets: Callable[[], Iterable[tuple[str, int, int | None]]], with_status: bool = False
     ) -> None:
+        super().__init__()
         self.targets = targets  # (name, web port, pid or None)
         self.with_status = with_status
         self.samples: list[Sample] = []
-        self._task: asyncio.Task[None] | None = None
 
     def _one(self, name: str, port: int, pid: int | None) -> Sample:
         t = time.time()
@@ -333,17 +298,8 @@ class Scraper:
                 self.samples.append(await asyncio.to_thread(self._one, name, port, pid))
             await asyncio.sleep(max(0.05, SCRAPE_INTERVAL_S - (time.monotonic() - t0)))
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-
-class LagSampler:
+class LagSampler(Background):
     """The pipeline's consumer-group lag (end offset minus committed offset) on its input topics (the
     request topic and the four work topics), every second: the backlog that waits in Kafka, which the
     workers' in-memory queue depth does not show."""
@@ -356,16 +312,16 @@ class LagSampler:
         interval_s: float = 1.0,
         security: dict[str, Any] | None = None,
     ) -> None:
+        super().__init__()
         self.bootstrap = bootstrap
         self.security = security or {}
         self.group = group
         self.topics = list(topics)
         self.interval_s = interval_s
         self.samples: list[tuple[float, dict[str, int] | None]] = []
-        self._task: asyncio.Task[None] | None = None
 
     async def _loop(self) -> None:
-        from aiokafka import AIOKafkaConsumer, TopicPartition
+        from aiokafka import TopicPartition
         from aiokafka.admin import AIOKafkaAdminClient
 
         # committed offsets never go back; a group coordinator still loading after a broker restart
@@ -375,9 +331,7 @@ class LagSampler:
             admin = AIOKafkaAdminClient(
                 bootstrap_servers=self.bootstrap, request_timeout_ms=3000, **self.security
             )
-            consumer = AIOKafkaConsumer(
-                bootstrap_servers=self.bootstrap, enable_auto_commit=False, **self.security
-            )
+            consumer = plain_consumer(self.bootstrap, self.security)
             try:
                 await asyncio.wait_for(admin.start(), 5)
                 await asyncio.wait_for(consumer.start(), 5)
@@ -408,15 +362,6 @@ class LagSampler:
                 for c in (consumer, admin):
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(c.stop() if c is consumer else c.close(), 5)
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
 
     def totals(self) -> list[tuple[float, int]]:
         return [(t, sum(lag.values())) for t, lag in self.samples if lag is not None]
@@ -469,43 +414,34 @@ class Seen:
     reply: dict[str, Any]
 
 
-class ReplyReader:
+class ReplyReader(Background):
     """A plain consumer (no group) on every partition of the reply topic, keeping every record."""
 
     def __init__(self, bootstrap: str, topic: str, security: dict[str, Any] | None = None) -> None:
-        from aiokafka import AIOKafkaConsumer
-
+        super().__init__()
         self.topic = topic
-        self.consumer = AIOKafkaConsumer(
-            bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest",
-            fetch_max_wait_ms=50, **(security or {}),
-        )  # fmt: skip
+        self.consumer = plain_consumer(
+            bootstrap, security, auto_offset_reset="earliest", fetch_max_wait_ms=50
+        )
         self.seen: list[Seen] = []
         self.by_rid: dict[str, list[Seen]] = defaultdict(list)
         self.undecodable = 0
-        self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         from aiokafka import TopicPartition
 
         await self.consumer.start()
-        parts: set[int] | None = None
-        for _ in range(100):
-            parts = self.consumer.partitions_for_topic(self.topic)
-            if parts:
-                break
-            await refresh_metadata(self.consumer)
-            await asyncio.sleep(0.1)
+        parts = await partitions_of(self.consumer, self.topic, 100)
         if not parts:
             raise BenchError(f"reply topic {self.topic!r} does not exist")
-        tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
+        tps = [TopicPartition(self.topic, p) for p in parts]
         self.consumer.assign(tps)
         await self.consumer.seek_to_end(*tps)
         for tp in tps:
             await self.consumer.position(tp)
-        self._task = asyncio.create_task(self._read())
+        await super().start()
 
-    async def _read(self) -> None:
+    async def _loop(self) -> None:
         while True:
             try:
                 batch = await self.consumer.getmany(timeout_ms=200)
@@ -528,10 +464,7 @@ class ReplyReader:
                     self.by_rid[rid].append(s)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await super().stop()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.consumer.stop(), 10)
 
@@ -553,9 +486,13 @@ class Sender:
         self.stream = stream
         self.pop = pop
         self.producer = AIOKafkaProducer(
-            bootstrap_servers=bootstrap, acks="all", linger_ms=5, request_timeout_ms=60_000,
-            max_request_size=8 << 20, **(security or {}),
-        )  # fmt: skip
+            bootstrap_servers=bootstrap,
+            acks="all",
+            linger_ms=5,
+            request_timeout_ms=60_000,
+            max_request_size=8 << 20,
+            **(security or {}),
+        )
         self.sent: dict[str, Sent] = {}
         self.order: list[Sent] = []
         self._futs: list[asyncio.Future[Any]] = []
@@ -574,9 +511,14 @@ class Sender:
         lag_ms = max(0.0, (time.time() - due_wall) * 1000)
         rec = Sent(rid, i, prio, tier, q.tenant, q.kind, created, lag_ms, step)
         body = {
-            "request_id": rid, "user_id": user, "tenant": q.tenant, "tier": tier, "priority": prio,
-            "prompt": q.text, "created_at": created,
-        }  # fmt: skip
+            "request_id": rid,
+            "user_id": user,
+            "tenant": q.tenant,
+            "tier": tier,
+            "priority": prio,
+            "prompt": q.text,
+            "created_at": created,
+        }
         self.sent[rid] = rec
         self.order.append(rec)
         try:
@@ -648,9 +590,13 @@ class Sender:
 
 
 async def trace_requests(
-    bootstrap: str, topics: TopicNames, rids: Iterable[str], security: dict[str, Any] | None = None,
-    timeout_s: float = 60.0, group: str | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    bootstrap: str,
+    topics: TopicNames,
+    rids: Iterable[str],
+    security: dict[str, Any] | None = None,
+    timeout_s: float = 60.0,
+    group: str | None = None,
+) -> dict[str, Any]:
     """Where requests without a reply went: every record of the request, work, dead-letter and reply
     topics read again from the beginning by a fresh consumer, looking for each request_id. A reply
     found now was missed by the live reader (a harness fault, reported as such)."""
@@ -690,15 +636,10 @@ async def _trace(
 ) -> dict[str, Any]:
     import base64
 
-    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka import TopicPartition
 
     needles = {f'"{r}"'.encode(): r for r in wanted}
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        **(security or {}),
-    )
+    consumer = plain_consumer(bootstrap, security, auto_offset_reset="earliest")
     await consumer.start()
     try:
         await refresh_metadata(consumer)
@@ -748,29 +689,40 @@ async def _trace(
     return {
         "summary": {
             "traced": len(found),
-            "reply_found_on_rescan (missed by the live reader)": sum(1 for w in found if w["replies_on_rescan"]),
+            "reply_found_on_rescan (missed by the live reader)": sum(
+                1 for w in found if w["replies_on_rescan"]
+            ),
             "not on the request topic": sum(1 for w in found if not w["request"]),
             "dead-lettered": sum(1 for w in found if w["deadletter"]),
             "on a work topic, no reply": sum(
                 1 for w in found if w["work"] and not w["replies_on_rescan"] and not w["deadletter"]
             ),
             "of which the group committed past it (lost by the pipeline)": sum(
-                1 for w in found if not w["replies_on_rescan"] and any("committed past" in x for x in w["work"])
+                1
+                for w in found
+                if not w["replies_on_rescan"] and any("committed past" in x for x in w["work"])
             ),
             "of which still waiting in Kafka (not yet consumed)": sum(
-                1 for w in found if not w["replies_on_rescan"] and any("not yet consumed" in x for x in w["work"])
+                1
+                for w in found
+                if not w["replies_on_rescan"] and any("not yet consumed" in x for x in w["work"])
             ),
             "never forwarded, the group committed past it (lost at intake)": sum(
-                1 for w in found if not w["work"] and not w["replies_on_rescan"] and not w["deadletter"]
+                1
+                for w in found
+                if not w["work"]
+                and not w["replies_on_rescan"]
+                and not w["deadletter"]
                 and any("committed past" in x for x in w["request"])
             ),
             "never forwarded to a work topic, no reply": sum(
-                1 for w in found if w["request"] and not w["work"] and not w["replies_on_rescan"]
-                and not w["deadletter"]
+                1
+                for w in found
+                if w["request"] and not w["work"] and not w["replies_on_rescan"] and not w["deadletter"]
             ),
         },
         "requests": dict(list(wanted.items())[:20]),
-    }  # fmt: skip
+    }
 
 
 async def wait_answered(
@@ -804,7 +756,7 @@ def is_template(reply: dict[str, Any]) -> bool:
 
 
 def template_violation(reply: dict[str, Any], sent: Sent) -> str | None:
-    """Why a template reply was not allowed (DESIGN "Degradation"), or None when it was."""
+    """Why a template reply was not allowed (docs/architecture.md, "Degradation"), or None when it was."""
     if not is_template(reply):
         return None
     if sent.priority == "realtime":
@@ -841,13 +793,23 @@ def class_summary(
     misses = expired + late + missing
     dup = sum(1 for r in answered if len(by_rid[r.rid]) > 1)
     return {
-        "offered": len(recs), "produce_failed": len(recs) - len(acked), "answered": len(answered),
-        "missing": missing, "duplicated": dup, "ok": len(ok), "template": len(templ),
-        "errors": dict(errors), "served_from": dict(served), "deadline_ms": deadline_ms,
-        "deadline_exceeded": expired, "late_ok": late, "misses": misses,
+        "offered": len(recs),
+        "produce_failed": len(recs) - len(acked),
+        "answered": len(answered),
+        "missing": missing,
+        "duplicated": dup,
+        "ok": len(ok),
+        "template": len(templ),
+        "errors": dict(errors),
+        "served_from": dict(served),
+        "deadline_ms": deadline_ms,
+        "deadline_exceeded": expired,
+        "late_ok": late,
+        "misses": misses,
         "miss_rate": round(misses / len(acked), 4) if acked else None,
-        "latency_all": latency_summary(lat_all), "latency_ok": latency_summary(lat_ok),
-    }  # fmt: skip
+        "latency_all": latency_summary(lat_all),
+        "latency_ok": latency_summary(lat_ok),
+    }
 
 
 def exactly_once(recs: Sequence[Sent], by_rid: dict[str, list[Seen]]) -> dict[str, int]:
@@ -870,6 +832,13 @@ def settled_after(points: Sequence[tuple[float, bool]], t0: float) -> float | No
         return 0.0
     nxt = min(t for t, ok in after if t > last_bad)
     return max(0.0, nxt - t0)
+
+
+def max_known(values: Iterable[float | None]) -> float | None:
+    """The largest of ``values``, or None when any of them is None (unknown)."""
+    vals = list(values)
+    known = [v for v in vals if v is not None]
+    return max(known) if len(known) == len(vals) else None
 
 
 def bins(values: Iterable[tuple[float, float]], t0: float, width: float = 1.0) -> dict[int, list[float]]:
@@ -896,14 +865,14 @@ class Plan:
     drain_idle_s: float  # the drain ends sooner when no reply came for this long
 
 
-FULL = Plan(
-    (Step("0.5L", 0.5, 30), Step("0.8L", 0.8, 60), Step("2L", 2.0, 60), Step("0.5L-after", 0.5, 60)),
-    rate_scale=1.0, limit_batches=12, drain_s=180, drain_idle_s=20,
-)  # fmt: skip
-QUICK = Plan(
-    (Step("0.5L", 0.5, 5), Step("0.8L", 0.8, 5), Step("2L", 2.0, 5), Step("0.5L-after", 0.5, 5)),
-    rate_scale=0.25, limit_batches=3, drain_s=45, drain_idle_s=15,
-)  # fmt: skip
+def _steps(*durations_s: float) -> tuple[Step, ...]:
+    """The four steps, 0.5 L, 0.8 L, 2 L and 0.5 L again, lasting ``durations_s``."""
+    multiples = (("0.5L", 0.5), ("0.8L", 0.8), ("2L", 2.0), ("0.5L-after", 0.5))
+    return tuple(Step(name, m, d) for (name, m), d in zip(multiples, durations_s, strict=True))
+
+
+FULL = Plan(_steps(30, 60, 60, 60), rate_scale=1.0, limit_batches=12, drain_s=180, drain_idle_s=20)
+QUICK = Plan(_steps(5, 5, 5, 5), rate_scale=0.25, limit_batches=3, drain_s=45, drain_idle_s=15)
 
 
 def _progress(tag: str, sender: Sender, reader: ReplyReader, scraper: Scraper) -> Callable[[], None]:
@@ -915,31 +884,69 @@ def _progress(tag: str, sender: Sender, reader: ReplyReader, scraper: Scraper) -
         print(
             f"  {tag}: sent {len(sender.order)}, answered {answered}, level "
             f"{None if not last else last.level}, queue {depth}, rss {rss}",
-            file=sys.stderr, flush=True,
-        )  # fmt: skip
+            file=sys.stderr,
+            flush=True,
+        )
 
     return tick
+
+
+@dataclass
+class Watch:
+    """The open-loop load on a deployment and what watches it: its sender, a reader of every reply,
+    scrapes of its workers and its consumer group's Kafka lag; started and stopped together."""
+
+    d: BenchDeployment
+    sender: Sender
+    reader: ReplyReader
+    scraper: Scraper
+    lag: LagSampler
+    security: dict[str, Any]
+
+    @classmethod
+    async def start(
+        cls, d: BenchDeployment, stream: QuestionStream, pop: Population, scraper: Scraper
+    ) -> Watch:
+        """Create the deployment's topics, then start everything (``scraper``: of the workers to watch)."""
+        from pipeline.admin import ensure_topics
+
+        await ensure_topics(d.settings())
+        quiet_kafka_logs()
+        sec = client_options(d.settings())
+        reader = ReplyReader(d.bootstrap, d.topics.replies, sec)
+        sender = Sender(d.bootstrap, d.topics.requests, stream, pop, sec)
+        inputs = [d.topics.requests, *map(d.topics.work, PRIORITIES)]
+        lag = LagSampler(d.bootstrap, d.env["SURGE_APP_ID"], inputs, security=sec)
+        await reader.start()
+        await sender.start()
+        await scraper.start()
+        await lag.start()
+        return cls(d, sender, reader, scraper, lag, sec)
+
+    async def stop(self) -> None:
+        await self.lag.stop()
+        await self.scraper.stop()
+        await self.sender.stop()
+        await self.reader.stop()
+
+    async def trace_unanswered(self) -> dict[str, Any]:
+        """:func:`trace_requests` of the first 50 acked requests that got no reply."""
+        unanswered = [
+            r.rid for r in self.sender.order if r.acked is not False and r.rid not in self.reader.by_rid
+        ]
+        d = self.d
+        return await trace_requests(
+            d.bootstrap, d.topics, unanswered[:50], self.security, group=d.env["SURGE_APP_ID"]
+        )
 
 
 async def _drive(
     d: BenchDeployment, plan: Plan, limit: float, stream: QuestionStream, pop: Population
 ) -> dict[str, Any]:
-    from pipeline.admin import ensure_topics
-
-    await ensure_topics(d.settings())
-    quiet_kafka_logs()
     worker = d.workers[0]
-    sec = client_options(d.settings())
-    reader = ReplyReader(d.bootstrap, d.topics.replies, sec)
-    sender = Sender(d.bootstrap, d.topics.requests, stream, pop, sec)
     scraper = Scraper(lambda: [("w0", worker.web_port, worker.proc.pid if worker.proc else None)])
-    lag = LagSampler(
-        d.bootstrap, d.env["SURGE_APP_ID"], [d.topics.requests, *map(d.topics.work, PRIORITIES)], security=sec
-    )
-    await reader.start()
-    await sender.start()
-    scraper.start()
-    lag.start()
+    watch = await Watch.start(d, stream, pop, scraper)
+    sender, reader = watch.sender, watch.reader
     windows: list[dict[str, Any]] = []
     try:
         for st in plan.steps:
@@ -948,23 +955,18 @@ async def _drive(
             t0, t1 = await sender.run(
                 rate, st.duration_s, st.name, _progress(st.name, sender, reader, scraper)
             )
-            windows.append({"name": st.name, "multiple": st.multiple, "rate_rps": round(rate, 2),
-                            "start": t0, "end": t1, "duration_s": st.duration_s})  # fmt: skip
+            window = {"name": st.name, "multiple": st.multiple, "rate_rps": round(rate, 2)}
+            windows.append({**window, "start": t0, "end": t1, "duration_s": st.duration_s})
         await sender.flush()
         print(f"surge: draining (up to {plan.drain_s:.0f} s)", file=sys.stderr)
         drained = await wait_answered(sender, reader, plan.drain_s, idle_s=plan.drain_idle_s)
         # keep scraping a little past the drain so the level and queue can be seen settling
         await asyncio.sleep(1.0)
     finally:
-        await lag.stop()
-        await scraper.stop()
-        await sender.stop()
-        await reader.stop()
-    unanswered = [r.rid for r in sender.order if r.acked is not False and r.rid not in reader.by_rid]
-    traced = await trace_requests(d.bootstrap, d.topics, unanswered[:50], sec, group=d.env["SURGE_APP_ID"])
+        await watch.stop()
     return {
-        "trace_of_unanswered": traced,
-        "lag": lag,
+        "trace_of_unanswered": await watch.trace_unanswered(),
+        "lag": watch.lag,
         "windows": windows,
         "sender": sender,
         "reader": reader,
@@ -992,32 +994,41 @@ def analyse(
             if rid in sender.sent and w["start"] <= seen[0].recv < w["end"]
         ]
         useful = [
-            r for r in first_in
+            r
+            for r in first_in
             if by_rid[r.rid][0].reply.get("status") == "ok" and not is_template(by_rid[r.rid][0].reply)
-        ]  # fmt: skip
+        ]
         lags = [r.lag_ms for r in recs]
         rss = [s.rss_kb for s in span if s.rss_kb]
         steps[w["name"]] = {
-            "offered_rps": w["rate_rps"], "duration_s": w["duration_s"], "sent": len(recs),
-            "sender_lag_ms": {"p99": round(sorted(lags)[int(0.99 * (len(lags) - 1))], 1) if lags else None,
-                              "max": round(max(lags), 1) if lags else None},
+            "offered_rps": w["rate_rps"],
+            "duration_s": w["duration_s"],
+            "sent": len(recs),
+            "sender_lag_ms": {
+                "p99": round(sorted(lags)[int(0.99 * (len(lags) - 1))], 1) if lags else None,
+                "max": round(max(lags), 1) if lags else None,
+            },
             "replies": exactly_once(recs, by_rid),
             "answered_in_window_rps": round(len(first_in) / w["duration_s"], 2),
             "ok_in_window_rps": round(
                 sum(1 for r in first_in if by_rid[r.rid][0].reply.get("status") == "ok") / w["duration_s"], 2
             ),
             "useful_in_window_rps": round(len(useful) / w["duration_s"], 2),
-            "useful_unique_in_window_rps": round(sum(1 for r in useful if r.kind == "unique") / w["duration_s"], 2),
+            "useful_unique_in_window_rps": round(
+                sum(1 for r in useful if r.kind == "unique") / w["duration_s"], 2
+            ),
             "classes": {
-                p: class_summary([r for r in recs if r.priority == p], by_rid, deadlines[p]) for p in PRIORITIES
+                p: class_summary([r for r in recs if r.priority == p], by_rid, deadlines[p])
+                for p in PRIORITIES
             },
             "max_degradation_level": max((s.level for s in span if s.level is not None), default=None),
             "max_queue_depth": max((sum(s.depth.values()) for s in span if s.depth), default=None),
             "max_kafka_lag": max((v for t, v in lag_totals if w["start"] <= t < w["end"]), default=None),
             "max_kafka_lag_by_topic": run["lag"].peak_by_topic(w["start"], w["end"]),
             "peak_rss_mib": round(max(rss) / 1024, 1) if rss else None,
-            "scrapes": len(span), "scrapes_failed": sum(1 for s in span if not s.up),
-        }  # fmt: skip
+            "scrapes": len(span),
+            "scrapes_failed": sum(1 for s in span if not s.up),
+        }
     # templates: every reply record, repeats included
     violations: Counter[str] = Counter()
     templates = 0
@@ -1031,8 +1042,15 @@ def analyse(
         if why:
             violations[why] += 1
             if len(examples) < 5:
-                examples.append({"request_id": seen.rid, "priority": rec.priority, "tier": rec.tier, "why": why,
-                                 "degradation_level": seen.reply.get("degradation_level")})  # fmt: skip
+                examples.append(
+                    {
+                        "request_id": seen.rid,
+                        "priority": rec.priority,
+                        "tier": rec.tier,
+                        "why": why,
+                        "degradation_level": seen.reply.get("degradation_level"),
+                    }
+                )
     # recovery after the surge
     surge = next((w for w in windows if w["multiple"] >= 1.5), None)
     recovery: dict[str, Any] = {}
@@ -1056,7 +1074,7 @@ def analyse(
         last_reply = max((by_rid[r.rid][0].recv for r in before if r.rid in by_rid), default=None)
         replies_s = None if missing or last_reply is None else round(max(0.0, last_reply - end), 2)
         queue_s = settled_after(depth_pts, end)
-        parts = (replies_s, queue_s, kafka_s)
+        drained_s = max_known((replies_s, queue_s, kafka_s))
         recovery = {
             "level_0_after_s": settled_after(level_pts, end),
             "backlog_replies_drained_after_s": replies_s,
@@ -1064,7 +1082,7 @@ def analyse(
             "queue_depth_drained_at_most": depth_ok,
             "backlog_kafka_drained_after_s": None if kafka_s is None else round(kafka_s, 2),
             "kafka_lag_drained_at_most": lag_ok,
-            "backlog_drained_after_s": None if None in parts else round(max(parts), 2),  # type: ignore[type-var]
+            "backlog_drained_after_s": None if drained_s is None else round(drained_s, 2),
             "requests_before_surge_end_unanswered": len(missing),
         }
         if recovery["level_0_after_s"] is not None:
@@ -1149,7 +1167,7 @@ def targets(result: dict[str, Any], windows: list[dict[str, Any]], limit: float)
         out.append(target("peak RSS drift, second 0.5L step vs first", drift, "<=", 0.10))
     else:
         out.append(target("peak RSS drift, second 0.5L step vs first", None, "<=", 0.10))
-    return out  # fmt: skip
+    return out
 
 
 # ---- plot ----------------------------------------------------------------------------------------
@@ -1170,144 +1188,188 @@ def timeline_plot(
     lag: Sequence[tuple[float, int]] = (),
 ) -> None:
     """Rates, latency per class, queue depth, degradation level and RSS (or assigned partitions) over time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = 5
-    fig, ax = plt.subplots(rows, 1, figsize=(11, 2.3 * rows), sharex=True)
-    sent_b = bins(((r.created_ms / 1000, 1.0) for r in sender.order), t0)
-    first = {rid: v[0] for rid, v in reader.by_rid.items() if rid in sender.sent}
-    rep_b = bins(((s.recv, 1.0) for s in first.values()), t0)
-    dup_b = bins(
-        (
-            (v[k].recv, 1.0)
-            for rid, v in reader.by_rid.items()
-            if rid in sender.sent
-            for k in range(1, len(v))
-        ),
-        t0,
-    )
-    xs = range(0, max([*sent_b, *rep_b, 0]) + 1)
-    ax[0].plot(list(xs), [len(sent_b.get(x, ())) for x in xs], label="sent/s", color="#2b6cb0")
-    ax[0].plot(list(xs), [len(rep_b.get(x, ())) for x in xs], label="first replies/s", color="#38a169")
-    if dup_b:
-        ax[0].plot(list(xs), [len(dup_b.get(x, ())) for x in xs], label="repeated replies/s", color="#e53e3e")
-    ax[0].set_ylabel("req/s")
-    ax[0].legend(fontsize=7, loc="upper left")
-    for p in PRIORITIES:
-        lat = bins(((r.created_ms / 1000, latency_ms(r, first[r.rid])) for r in sender.order
-                    if r.priority == p and r.rid in first), t0)  # fmt: skip
-        ks = sorted(lat)
-        ax[1].plot(
-            ks,
-            [sorted(lat[k])[len(lat[k]) // 2] for k in ks],
-            color=CLASS_COLORS[p],
-            lw=0.8,
-            label=f"{p} p50",
+    with figure(path, title, nrows=rows, ncols=1, figsize=(11, 2.3 * rows), sharex=True) as (_, ax):
+        sent_b = bins(((r.created_ms / 1000, 1.0) for r in sender.order), t0)
+        first = {rid: v[0] for rid, v in reader.by_rid.items() if rid in sender.sent}
+        rep_b = bins(((s.recv, 1.0) for s in first.values()), t0)
+        dup_b = bins(
+            (
+                (v[k].recv, 1.0)
+                for rid, v in reader.by_rid.items()
+                if rid in sender.sent
+                for k in range(1, len(v))
+            ),
+            t0,
         )
-        ax[1].plot(ks, [max(lat[k]) for k in ks], color=CLASS_COLORS[p], lw=0.5, ls=":", label=f"{p} max")
-        if deadlines and deadlines.get(p):
-            ax[1].axhline(deadlines[p], color=CLASS_COLORS[p], lw=0.5, ls="--")
-    ax[1].set_yscale("log")
-    ax[1].set_ylabel("latency ms (by send time)")
-    ax[1].legend(fontsize=6, ncol=4, loc="upper left")
-    workers = sorted({s.worker for s in samples})
-    for w in workers:
-        ws = [s for s in samples if s.worker == w and s.up]
-        tag = f" {w}" if len(workers) > 1 else ""
+        xs = range(0, max([*sent_b, *rep_b, 0]) + 1)
+        ax[0].plot(list(xs), [len(sent_b.get(x, ())) for x in xs], label="sent/s", color="#2b6cb0")
+        ax[0].plot(list(xs), [len(rep_b.get(x, ())) for x in xs], label="first replies/s", color="#38a169")
+        if dup_b:
+            ax[0].plot(
+                list(xs), [len(dup_b.get(x, ())) for x in xs], label="repeated replies/s", color="#e53e3e"
+            )
+        ax[0].set_ylabel("req/s")
+        ax[0].legend(fontsize=7, loc="upper left")
         for p in PRIORITIES:
-            ax[2].plot([s.t - t0 for s in ws], [s.depth.get(p, 0) for s in ws], color=CLASS_COLORS[p], lw=0.8,
-                       label=f"{p}{tag}" if w == workers[0] else None)  # fmt: skip
-        ax[2].plot([s.t - t0 for s in ws], [s.per_worker or 0 for s in ws], color="black", lw=0.6, ls="--",
-                   label="in queue per worker" if w == workers[0] else None)  # fmt: skip
-        ax[3].step([s.t - t0 for s in ws], [s.level or 0 for s in ws], where="post", label=w)
-        if with_assigned:
-            ax[4].step([s.t - t0 for s in samples if s.worker == w],
-                       [(s.assigned or 0) if s.up else 0 for s in samples if s.worker == w], where="post", label=w)  # fmt: skip
-        else:
-            ax[4].plot([s.t - t0 for s in ws if s.rss_kb], [s.rss_kb / 1024 for s in ws if s.rss_kb], label=w)
-    ax[2].set_ylabel("in-memory queue depth")
-    ax[2].legend(fontsize=6, ncol=3, loc="upper left")
-    if lag:
-        twin = ax[2].twinx()
-        twin.plot([t - t0 for t, _ in lag], [v for _, v in lag], color="#805ad5", lw=1.0)
-        twin.set_ylabel("Kafka lag (purple)", fontsize=8)
-    ax[3].set_ylabel("degradation level")
-    ax[3].set_ylim(-0.2, 3.3)
-    ax[4].set_ylabel("assigned partitions" if with_assigned else "worker RSS MiB")
-    if len(workers) > 1:
-        ax[3].legend(fontsize=6, loc="upper left")
-        ax[4].legend(fontsize=6, loc="upper left")
-    ax[-1].set_xlabel("seconds")
-    for a in ax:
-        for t, _ in marks:
-            a.axvline(t - t0, color="grey", lw=0.7, ls="--")
-        for s0, s1 in spans:
-            a.axvspan(s0 - t0, s1 - t0, color="#fbd38d", alpha=0.25)
-    for t, label in marks:
-        ax[0].annotate(label, (t - t0, ax[0].get_ylim()[1]), fontsize=7, rotation=90, va="top", ha="right")
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def report(scenario: str, result: dict[str, Any], json_path: str | Path | None, plot_path: str | Path | None,
-           plot: Callable[[Path], None]) -> int:  # fmt: skip
-    """Write the JSON and the plot, print the targets; 0 (the JSON says which targets were missed)."""
-    jp, pp = default_paths(scenario, json_path, plot_path)
-    result = {"scenario": scenario, **result, "environment": environment(), "plot": str(pp)}
-    write_json(jp, result)
-    plot(pp)
-    print(f"\n{scenario}: JSON {jp}, plot {pp}", file=sys.stderr)
-    for t in result.get("targets", []):
-        state = "met" if t["met"] else f"MISSED by {t['missed_by']}"
-        print(f"  target {t['name']}: {t['value']} (goal {t['goal']}) {state}", file=sys.stderr)
-    return 0
+            lat = bins(
+                (
+                    (r.created_ms / 1000, latency_ms(r, first[r.rid]))
+                    for r in sender.order
+                    if r.priority == p and r.rid in first
+                ),
+                t0,
+            )
+            ks = sorted(lat)
+            ax[1].plot(
+                ks,
+                [sorted(lat[k])[len(lat[k]) // 2] for k in ks],
+                color=CLASS_COLORS[p],
+                lw=0.8,
+                label=f"{p} p50",
+            )
+            ax[1].plot(ks, [max(lat[k]) for k in ks], color=CLASS_COLORS[p], lw=0.5, ls=":", label=f"{p} max")
+            if deadlines and deadlines.get(p):
+                ax[1].axhline(deadlines[p], color=CLASS_COLORS[p], lw=0.5, ls="--")
+        ax[1].set_yscale("log")
+        ax[1].set_ylabel("latency ms (by send time)")
+        ax[1].legend(fontsize=6, ncol=4, loc="upper left")
+        workers = sorted({s.worker for s in samples})
+        for w in workers:
+            ws = [s for s in samples if s.worker == w and s.up]
+            tag = f" {w}" if len(workers) > 1 else ""
+            for p in PRIORITIES:
+                ax[2].plot(
+                    [s.t - t0 for s in ws],
+                    [s.depth.get(p, 0) for s in ws],
+                    color=CLASS_COLORS[p],
+                    lw=0.8,
+                    label=f"{p}{tag}" if w == workers[0] else None,
+                )
+            ax[2].plot(
+                [s.t - t0 for s in ws],
+                [s.per_worker or 0 for s in ws],
+                color="black",
+                lw=0.6,
+                ls="--",
+                label="in queue per worker" if w == workers[0] else None,
+            )
+            ax[3].step([s.t - t0 for s in ws], [s.level or 0 for s in ws], where="post", label=w)
+            if with_assigned:
+                ax[4].step(
+                    [s.t - t0 for s in samples if s.worker == w],
+                    [(s.assigned or 0) if s.up else 0 for s in samples if s.worker == w],
+                    where="post",
+                    label=w,
+                )
+            else:
+                ax[4].plot(
+                    [s.t - t0 for s in ws if s.rss_kb], [s.rss_kb / 1024 for s in ws if s.rss_kb], label=w
+                )
+        ax[2].set_ylabel("in-memory queue depth")
+        ax[2].legend(fontsize=6, ncol=3, loc="upper left")
+        if lag:
+            twin = ax[2].twinx()
+            twin.plot([t - t0 for t, _ in lag], [v for _, v in lag], color="#805ad5", lw=1.0)
+            twin.set_ylabel("Kafka lag (purple)", fontsize=8)
+        ax[3].set_ylabel("degradation level")
+        ax[3].set_ylim(-0.2, 3.3)
+        ax[4].set_ylabel("assigned partitions" if with_assigned else "worker RSS MiB")
+        if len(workers) > 1:
+            ax[3].legend(fontsize=6, loc="upper left")
+            ax[4].legend(fontsize=6, loc="upper left")
+        ax[-1].set_xlabel("seconds")
+        for a in ax:
+            for t, _ in marks:
+                a.axvline(t - t0, color="grey", lw=0.7, ls="--")
+            for s0, s1 in spans:
+                a.axvspan(s0 - t0, s1 - t0, color="#fbd38d", alpha=0.25)
+        for t, label in marks:
+            ax[0].annotate(
+                label, (t - t0, ax[0].get_ylim()[1]), fontsize=7, rotation=90, va="top", ha="right"
+            )
 
 
 def default_path_env(s: Settings) -> dict[str, Any]:
     """The settings of the default path that the scenarios state (rates, levels, deadlines)."""
     return {
-        "model": s.model, "dedup_enabled": s.dedup_enabled, "cache_enabled": s.cache_enabled,
-        "rate_limit_enabled": s.rate_limit_enabled, "degrade_enabled": s.degrade_enabled,
-        "partitions": s.partitions, "max_batch_size": s.max_batch_size,
+        "model": s.model,
+        "dedup_enabled": s.dedup_enabled,
+        "cache_enabled": s.cache_enabled,
+        "rate_limit_enabled": s.rate_limit_enabled,
+        "degrade_enabled": s.degrade_enabled,
+        "partitions": s.partitions,
+        "max_batch_size": s.max_batch_size,
         "deadlines_ms": {p: s.deadline_ms(p) for p in PRIORITIES},
         "user_rate_per_s": {t: getattr(s, f"user_rate_per_s_{t}") for t, _ in TIER_MIX},
-        "tenant_rate_per_s": s.tenant_rate_per_s, "session_timeout_s": s.session_timeout_s,
-    }  # fmt: skip
+        "tenant_rate_per_s": s.tenant_rate_per_s,
+        "session_timeout_s": s.session_timeout_s,
+    }
 
 
 #: what the scenarios turn back on over BASE_ENV (which switches rate limits and degradation off)
-DEFAULT_PATH = {"model": "faq", "rate_limit_enabled": True, "degrade_enabled": True,
-                "dedup_enabled": True, "cache_enabled": True}  # fmt: skip
+DEFAULT_PATH = {
+    "model": "faq",
+    "rate_limit_enabled": True,
+    "degrade_enabled": True,
+    "dedup_enabled": True,
+    "cache_enabled": True,
+}
 
 
-def run(
-    *,
-    quick: bool = False,
-    json_path: str | Path | None = None,
-    plot_path: str | Path | None = None,
-    broker: EmbeddedKafka | None = None,
-    banking77_csv: str | Path | None = None,
-) -> int:
-    plan = QUICK if quick else FULL
-    csv_path = resolve_csv(banking77_csv, "surge")
-    holdout, trained = unseen_questions(csv_path)
-    with BenchEnv("surge", broker=broker) as env:
+@dataclass(frozen=True)
+class Offered:
+    """What a default-path scenario offers: L (:func:`measure_limit`'s result), the rate it sets from
+    L, and the questions and users for that rate."""
+
+    limit: dict[str, Any]
+    rate: float
+    stream: QuestionStream
+    pop: Population
+
+    @property
+    def limit_rps(self) -> float:
+        return float(self.limit["questions_per_s"])
+
+    @classmethod
+    def measure(
+        cls,
+        tag: str,
+        questions: tuple[list[tuple[str, str]], set[str]],
+        s: Settings,
+        limit_batches: int,
+        rate_of: Callable[[float], float],
+        what: str,
+        seed: int = 9,
+    ) -> Offered:
+        """Measure L on the held-out questions (``questions``: :func:`unseen_questions`), then build the
+        stream and the users for ``rate_of(L)``; prints L and that rate (``what``) under ``tag``."""
+        holdout, trained = questions
+        print(f"{tag}: measuring the model alone (L) ...", file=sys.stderr)
+        lim = measure_limit([t for t, _ in holdout], limit_batches)
+        rate = rate_of(lim["questions_per_s"])
+        stream = QuestionStream(holdout, seed=seed, tenants=tenants_for(rate, s), exclude=trained)
+        pop = Population.for_rate(rate, s)
+        print(
+            f"{tag}: L = {lim['questions_per_s']:.1f} questions/s; {what} {rate:.1f} req/s", file=sys.stderr
+        )
+        return cls(lim, rate, stream, pop)
+
+
+def run(job: BenchRun, banking77_csv: str | Path | None = None) -> int:
+    plan = QUICK if job.quick else FULL
+    csv_path = resolve_csv(banking77_csv, job.scenario)
+    questions = unseen_questions(csv_path)
+    holdout = questions[0]
+    with BenchEnv(job.scenario, broker=job.broker) as env:
         d = env.deployment("surge", **DEFAULT_PATH)
         startup_s = env.wait_ready([d])
         s = d.settings()
-        print("surge: measuring the model alone (L) ...", file=sys.stderr)
-        lim = measure_limit([t for t, _ in holdout], plan.limit_batches)
-        limit = lim["questions_per_s"]
-        peak = max(st.multiple for st in plan.steps) * limit * plan.rate_scale
-        stream = QuestionStream(holdout, tenants=tenants_for(peak, s), exclude=trained)
-        pop = Population.for_rate(peak, s)
-        print(f"surge: L = {limit:.1f} questions/s; peak offered {peak:.1f} req/s", file=sys.stderr)
+        top = max(st.multiple for st in plan.steps)
+        offered = Offered.measure(
+            "surge", questions, s, plan.limit_batches, lambda lim: top * lim * plan.rate_scale, "peak offered"
+        )
+        limit, stream, pop = offered.limit_rps, offered.stream, offered.pop
         deadlines = {p: s.deadline_ms(p) for p in PRIORITIES}
         run_ = asyncio.run(_drive(d, plan, limit, stream, pop))
         worker_log_tail = d.workers[0].tail(1500)
@@ -1315,43 +1377,60 @@ def run(
     windows = run_["windows"]
     t0 = windows[0]["start"]
     out = {
-        "quick": quick,
-        "plan": {"steps": [st.__dict__ for st in plan.steps], "rate_scale": plan.rate_scale,
-                 "drain_s": plan.drain_s, "drain_idle_s": plan.drain_idle_s},
-        "limit": lim,
+        "plan": {
+            "steps": [st.__dict__ for st in plan.steps],
+            "rate_scale": plan.rate_scale,
+            "drain_s": plan.drain_s,
+            "drain_idle_s": plan.drain_idle_s,
+        },
+        "limit": offered.limit,
         "limit_rps": limit,
         "settings": default_path_env(s),
         "workload": {
-            "csv": str(csv_path), "holdout_rows": len(holdout), "distinct_holdout_questions": len(stream.pool),
+            "csv": str(csv_path),
+            "holdout_rows": len(holdout),
+            "distinct_holdout_questions": len(stream.pool),
             "holdout_rows_left_out_as_seen_in_training": stream.excluded,
-            "class_mix": dict(CLASS_MIX), "tier_mix": dict(TIER_MIX), "tenants": len(stream.tenants),
-            "users_per_tier": pop.users, "unique_share": UNIQUE_SHARE, "repeat_share": REPEAT_SHARE,
+            "class_mix": dict(CLASS_MIX),
+            "tier_mix": dict(TIER_MIX),
+            "tenants": len(stream.tenants),
+            "users_per_tier": pop.users,
+            "unique_share": UNIQUE_SHARE,
+            "repeat_share": REPEAT_SHARE,
             "passes_over_holdout": round(stream.pool_taken / len(stream.pool), 2),
         },
         "worker_startup_s": round(startup_s, 1),
         "drain_waited_s": round(run_["drain_waited_s"], 1),
-        "windows": [{k: (round(v - t0, 2) if k in ("start", "end") else v) for k, v in w.items()} for w in windows],
+        "windows": [
+            {k: (round(v - t0, 2) if k in ("start", "end") else v) for k, v in w.items()} for w in windows
+        ],
         **result,
         "targets": tg,
         "notes": (
-            "latency: created_at (the scheduled send time) to the reply read off the reply topic. misses: deadline_exceeded "
-            "replies + ok replies after the class deadline + requests without a reply (offline has no deadline). "
-            "useful throughput: distinct requests whose first reply (ok, not a template) arrived during the step, "
-            "per second of the step; the max over steps is compared with L. backlog drained: every request sent "
-            "before the end of the 2L step answered, and the in-memory queue back under the first step's peak "
-            "(at least 8) and the pipeline's consumer-group lag on its input topics back under the first step's peak "
-            "(at least 20). RSS: the worker process tree's VmRSS, scraped every 0.5 s."
+            "latency: created_at (the scheduled send time) to the reply read off the reply topic. misses: "
+            "deadline_exceeded replies + ok replies after the class deadline + requests without a reply "
+            "(offline has no deadline). useful throughput: distinct requests whose first reply (ok, not a "
+            "template) arrived during the step, per second of the step; the max over steps is compared with "
+            "L. backlog drained: every request sent before the end of the 2L step answered, and the "
+            "in-memory queue back under the first step's peak (at least 8) and the pipeline's consumer-group "
+            "lag on its input topics back under the first step's peak (at least 20). RSS: the worker "
+            "process tree's VmRSS, scraped every 0.5 s."
         ),
         "trace_of_unanswered": run_["trace_of_unanswered"],
         "worker_log_tail": worker_log_tail if result["replies"]["missing"] else None,
-    }  # fmt: skip
+    }
 
     def plot(pp: Path) -> None:
         timeline_plot(
-            pp, f"surge bench surge{' (quick)' if quick else ''}: L = {limit:.0f} q/s",
-            run_["sender"], run_["reader"], run_["scraper"].samples, t0,
+            pp,
+            f"{job.title}: L = {limit:.0f} q/s",
+            run_["sender"],
+            run_["reader"],
+            run_["scraper"].samples,
+            t0,
             marks=[(w["start"], f"{w['name']} {w['rate_rps']:.0f}/s") for w in windows],
-            deadlines=deadlines, lag=run_["lag"].totals(),
-        )  # fmt: skip
+            deadlines=deadlines,
+            lag=run_["lag"].totals(),
+        )
 
-    return report("surge", out, json_path, plot_path, plot)
+    return report(job, out, plot)

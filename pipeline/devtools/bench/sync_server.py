@@ -69,12 +69,20 @@ class _Handler(BaseHTTPRequestHandler):
             return
         with self.server.lock:
             out = self.server.model.infer([inp])[0]
-        self._send(200, {
-            "id": f"chatcmpl-{time.time_ns()}", "object": "chat.completion", "created": int(time.time()),
+        reply = {
+            "id": f"chatcmpl-{time.time_ns()}",
+            "object": "chat.completion",
+            "created": int(time.time()),
             "model": body.get("model", "default"),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": out.answer},
-                         "finish_reason": out.finish_reason}],
-        })  # fmt: skip
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": out.answer},
+                    "finish_reason": out.finish_reason,
+                }
+            ],
+        }
+        self._send(200, reply)
 
 
 def main(argv: list[str] | None = None) -> int:
