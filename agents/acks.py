@@ -224,8 +224,12 @@ class Acker:
             if generation != self.generation or self._ledgers.get(tp) is not ledger or ledger.hole() != hole:
                 continue  # a rebalance, or the record arrived meanwhile
             if first is not None and first > hole:
-                log.warning("%s: offsets %d..%d are not in the log (transaction markers?); stepping over",
-                            tp, hole, first - 1)  # fmt: skip
+                log.warning(
+                    "%s: offsets %d..%d are not in the log (transaction markers?); stepping over",
+                    tp,
+                    hole,
+                    first - 1,
+                )
                 ledger.skip_to(first)
                 resolved += 1
             else:

@@ -14,9 +14,9 @@ from collections.abc import Awaitable
 from typing import Any
 
 import faust
-from faust.types import EventT
+from faust.types import EventT, TableT
 
-from agents.runtime import Runtime
+from agents.runtime import Runtime, unacked
 from pipeline.app import table_store_options
 from pipeline.cache import AnswerCache
 from pipeline.compat import scan_partition
@@ -77,7 +77,7 @@ class Intake:
     """State of the intake agent in one worker."""
 
     def __init__(
-        self, rt: Runtime, ratelimit_table: faust.Table, cache: AnswerCache | None, model_version: str
+        self, rt: Runtime, ratelimit_table: TableT[str, Any], cache: AnswerCache | None, model_version: str
     ) -> None:
         self.rt = rt
         self.limiter = RateLimiter(
@@ -110,17 +110,7 @@ class Intake:
                 )
             reply_to = rt.reply_policy.resolve(req.reply_to)
         except InvalidRequestError as exc:
-            ids = salvage_ids(msg.value)
-            if ids is not None:
-                rid, uid, reply_to = ids
-                futures.append(
-                    await rt.error_reply(
-                        request_id=rid, user_id=uid, reply_to=rt.reply_policy.safe(reply_to),
-                        code=exc.code, message=exc.message, record=False,
-                    )
-                )  # fmt: skip
-            futures.append(await rt.deadletter(event, "invalid_request", exc.message))
-            rt.acker.ack_after([ticket], futures)
+            rt.acker.ack_after([ticket], await reject(rt, event, exc.code, exc.message, exc.message))
             return
         recorded = rt.recorded(req.tenant, req.user_id, req.request_id)
         if recorded is not None:
@@ -167,10 +157,17 @@ class Intake:
 
         async def refuse(code: str, message: str, retry_after_ms: int | None = None) -> Awaitable[Any]:
             return await rt.error_reply(
-                request_id=req.request_id, user_id=req.user_id, reply_to=reply_to, code=code,
-                message=message, retry_after_ms=retry_after_ms, priority=req.priority,
-                created_at_ms=created, tenant=req.tenant, event=event,
-            )  # fmt: skip
+                request_id=req.request_id,
+                user_id=req.user_id,
+                reply_to=reply_to,
+                code=code,
+                message=message,
+                retry_after_ms=retry_after_ms,
+                priority=req.priority,
+                created_at_ms=created,
+                tenant=req.tenant,
+                event=event,
+            )
 
         if deadline is not None and now >= deadline:
             rt.metrics.deadline_missed.labels(priority=req.priority).inc()
@@ -193,10 +190,16 @@ class Intake:
             rt.metrics.cache_lookups.labels(layer="exact", result="hit" if hit else "miss").inc()
             if hit is not None:
                 reply = InferenceReply(
-                    request_id=req.request_id, user_id=req.user_id, status="ok", answer=hit.answer,
-                    finish_reason=hit.finish_reason, served_from="cache", model_version=hit.model_version,  # type: ignore[arg-type]
-                    priority=req.priority, timings=Timings(total_ms=max(0, now - created)),
-                )  # fmt: skip
+                    request_id=req.request_id,
+                    user_id=req.user_id,
+                    status="ok",
+                    answer=hit.answer,
+                    finish_reason=hit.finish_reason,
+                    served_from="cache",
+                    model_version=hit.model_version,
+                    priority=req.priority,
+                    timings=Timings(total_ms=max(0, now - created)),
+                )
                 return await rt.publish(
                     reply, tenant=req.tenant, reply_to=reply_to, created_at_ms=created, event=event
                 )
@@ -204,25 +207,33 @@ class Intake:
             created < record_ms - CLIENT_CLOCK_SLACK_MS
         )
         item = WorkItem(
-            request=req, priority=req.priority, tier=req.tier, reply_to=reply_to, created_at_ms=created,
-            arrival_ms=now, deadline_at_ms=None if deadline is None else int(deadline), cache_key=key,
+            request=req,
+            priority=req.priority,
+            tier=req.tier,
+            reply_to=reply_to,
+            created_at_ms=created,
+            arrival_ms=now,
+            deadline_at_ms=None if deadline is None else int(deadline),
+            cache_key=key,
             client_deadline=client_dated,
-        )  # fmt: skip
+        )
         return await rt.send(rt.topics.work(req.priority), req.user_id, encode(item))
 
 
 def register(rt: Runtime, cache: AnswerCache | None, model_version: str) -> Intake:
     """Declare the rate-limit table and the intake agent on ``rt.app``."""
     table = rt.app.Table(
-        "ratelimit", default=None, partitions=rt.settings.partitions,
+        "ratelimit",
+        default=None,
+        partitions=rt.settings.partitions,
         schema=faust.Schema(key_serializer="json", value_serializer="json"),
         options=table_store_options(rt.settings),
-    )  # fmt: skip
+    )
     intake = Intake(rt, table, cache, model_version)
 
     @rt.app.agent(rt.topic(rt.topics.requests), name="surge.intake")
     async def intake_agent(stream: faust.StreamT) -> None:
-        s = stream.noack()
+        s = unacked(stream)
         async for event in s.events():
             try:
                 await intake.handle(s, event)
@@ -236,17 +247,32 @@ def register(rt: Runtime, cache: AnswerCache | None, model_version: str) -> Inta
 
 async def intake_failed(rt: Runtime, stream: faust.StreamT, event: EventT, exc: Exception) -> None:
     """An internal error: an error reply where the ids can be read, a dead letter, then the ack."""
+    futures = await reject(
+        rt, event, "internal", f"internal error: {type(exc).__name__}", f"internal error: {exc!r}"
+    )
+    ticket = rt.acker.ticket_of(event) or await rt.acker.track(event)
+    if ticket is not None:
+        rt.acker.ack_after([ticket], futures)
+
+
+async def reject(rt: Runtime, event: EventT, code: str, message: str, detail: str) -> list[Awaitable[Any]]:
+    """A record that never became a request: an error reply ``code``/``message`` where its ids can be
+    read (not recorded: it is the same on every read), and a dead letter with reason ``code`` and
+    ``detail``. Returns the broker's acknowledgements to ack after."""
     futures: list[Awaitable[Any]] = []
-    ids = salvage_ids(event.message.value if isinstance(event.message.value, bytes) else None)
+    raw = event.message.value
+    ids = salvage_ids(raw if isinstance(raw, bytes) else None)
     if ids is not None:
         rid, uid, reply_to = ids
         futures.append(
             await rt.error_reply(
-                request_id=rid, user_id=uid, reply_to=rt.reply_policy.safe(reply_to), code="internal",
-                message=f"internal error: {type(exc).__name__}", record=False,
+                request_id=rid,
+                user_id=uid,
+                reply_to=rt.reply_policy.safe(reply_to),
+                code=code,
+                message=message,
+                record=False,
             )
-        )  # fmt: skip
-    futures.append(await rt.deadletter(event, "internal", f"internal error: {exc!r}"))
-    ticket = rt.acker.ticket_of(event) or await rt.acker.track(event)
-    if ticket is not None:
-        rt.acker.ack_after([ticket], futures)
+        )
+    futures.append(await rt.deadletter(event, code, detail))
+    return futures

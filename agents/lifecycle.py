@@ -16,13 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import socket
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, cast
 
 import faust
+from faust.tables import TableManager
 from faust.types import TP
+from mode import SignalT
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from agents.runtime import Runtime
 from pipeline.admin import changelog_topics
@@ -30,6 +35,21 @@ from pipeline.compat import blind_read_offsets, producer_partitions_for
 from pipeline.terms import PRIORITIES
 
 log = logging.getLogger("surge.lifecycle")
+
+#: what a worker does with the partitions of a rebalance (see :func:`on_partitions`)
+PartitionsHandler = Callable[[set[TP]], Awaitable[None]]
+
+
+def on_partitions(signal: SignalT[Any], handler: PartitionsHandler) -> None:
+    """Call ``handler`` with the partitions of each rebalance that ``signal`` announces:
+    ``app.on_partitions_revoked`` or ``app.on_partitions_assigned``, which Faust sends as
+    ``(app, partitions)`` (and mode's ``signal=`` keyword)."""
+
+    async def receiver(sender: object, /, *args: set[TP], **_: Any) -> None:
+        (partitions,) = args
+        await handler(partitions)
+
+    signal.connect(receiver)
 
 
 class Lifecycle:
@@ -46,6 +66,9 @@ class Lifecycle:
         #: the producer knows every topic surge writes (tables pick changelog partitions with the
         #: producer's partitioner, which needs a topic's metadata before its first write)
         self.writes_ready = asyncio.Event()
+        #: assignments whose source partitions are still being sought to where reading starts
+        #: (agents/acks.py, ``seek_to_starts``): not ready until the latest one is done
+        self.seeking = 0
 
     async def warm_writes(self) -> None:
         """Load the producer's metadata of every topic this worker writes; then ``writes_ready``."""
@@ -75,9 +98,12 @@ class Lifecycle:
             return False
         return (
             assigned
+            and not self.seeking
             and not app.rebalancing
             and not app.in_recovery
-            and app.tables.recovery.completed.is_set()
+            # app.tables is typed as the TableManagerT interface, which does not declare the
+            # recovery that the app's TableManager has
+            and cast(TableManager, app.tables).recovery.completed.is_set()
         )
 
     async def watch_ready(self) -> None:
@@ -108,8 +134,11 @@ class Lifecycle:
             log.exception("commit after drain failed")
         log.warning(
             "drained in %.2f s: finished=%s committed=%s, %d records unacked",
-            time.perf_counter() - t0, ok, committed, self.rt.acker.pending(),
-        )  # fmt: skip
+            time.perf_counter() - t0,
+            ok,
+            committed,
+            self.rt.acker.pending(),
+        )
         return ok
 
     async def on_revoked(self, revoked: set[TP]) -> None:
@@ -132,6 +161,44 @@ class Lifecycle:
         waits for the shutdown to cancel it."""
         if self.stopping:
             await asyncio.Future()
+
+
+def serve_pages(
+    life: Lifecycle,
+    *,
+    ready: Callable[[], bool],
+    describe: Callable[[], dict[str, object]],
+    before_scrape: Callable[[], None] | None = None,
+) -> None:
+    """The pages a worker is watched by, the same for every role (docs/architecture.md, "Security"):
+    ``/readyz`` (200 once ``ready()``, and whether it serves right now; see "Readiness and failover"),
+    ``/metrics`` (after ``before_scrape()``), ``/status`` (role, partitions assigned, then
+    ``describe()``) and ``/healthz``."""
+    app, settings, metrics = life.app, life.rt.settings, life.rt.metrics
+    content_type = CONTENT_TYPE_LATEST.split(";")[0]
+
+    @app.page("/readyz")
+    async def readyz(view: faust.web.View, request: faust.web.Request) -> faust.web.Response:
+        is_ready = ready()
+        return view.json({"ready": is_ready, "serving": life.can_serve()}, status=200 if is_ready else 503)
+
+    @app.page("/metrics")
+    async def metrics_page(view: faust.web.View, request: faust.web.Request) -> faust.web.Response:
+        if before_scrape is not None:
+            before_scrape()
+        return view.bytes(generate_latest(metrics.registry), content_type=content_type)
+
+    @app.page("/status")
+    async def status(view: faust.web.View, request: faust.web.Request) -> faust.web.Response:
+        body: dict[str, object] = {"role": settings.role, "assigned": len(app.consumer.assignment())}
+        body.update(describe())
+        return view.json(body)
+
+    @app.page("/healthz")
+    async def healthz(view: faust.web.View, request: faust.web.Request) -> faust.web.Response:
+        return view.json(
+            {"ok": True, "worker": settings.worker_id or f"{socket.gethostname()}:{os.getpid()}"}
+        )
 
 
 class SurgeWorker(faust.Worker):

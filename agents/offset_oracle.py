@@ -16,6 +16,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from pipeline.exceptions import BrokerError
 from pipeline.kafka_security import client_options
 from pipeline.settings import Settings
 
@@ -30,15 +31,23 @@ class OffsetOracle:
         self._group: AIOKafkaConsumer | None = None
         self._probe: AIOKafkaConsumer | None = None
         self._lock = asyncio.Lock()
+        #: set by :meth:`close`: a question asked during the worker's stop must not start new
+        #: consumers that nothing would close again
+        self._closed = False
 
     def _consumer(self, group_id: str | None) -> AIOKafkaConsumer:
         s = self.settings
         return AIOKafkaConsumer(
-            bootstrap_servers=s.bootstrap_servers, group_id=group_id, enable_auto_commit=False,
-            auto_offset_reset="earliest", **client_options(s),
-        )  # fmt: skip
+            bootstrap_servers=s.bootstrap_servers,
+            group_id=group_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            **client_options(s),
+        )
 
     async def _started(self) -> tuple[AIOKafkaConsumer, AIOKafkaConsumer]:
+        if self._closed:
+            raise BrokerError("the offset consumers are closed: the worker is stopping")
         if self._group is None or self._probe is None:
             group, probe = self._consumer(self.settings.app_id), self._consumer(None)
             await group.start()
@@ -74,6 +83,7 @@ class OffsetOracle:
             return int(records[0].offset) if records else None
 
     async def close(self) -> None:
+        self._closed = True
         for c in (self._group, self._probe):
             if c is not None:
                 try:

@@ -20,16 +20,14 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
-import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import faust
-from faust.types import EventT
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from faust.types import TP, EventT, TableT
 
-from agents.runtime import Runtime, event_context
+from agents.lifecycle import Lifecycle, on_partitions, serve_pages
+from agents.runtime import Runtime, event_context, unacked
 from pipeline.admin import ensure_topics
 from pipeline.app import create_app, table_store_options
 from pipeline.compat import refresh_metadata
@@ -94,9 +92,12 @@ async def ensure_risk_topics(settings: Settings) -> list[str]:
 
 def feature_config(s: Settings) -> FeatureConfig:
     return FeatureConfig(
-        grace_ms=s.risk_grace_ms, horizon_ms=s.risk_horizon_ms, small_amount_cents=cents(s.risk_small_amount),
-        dedup_ids=s.risk_dedup_ids, seen_max=s.risk_seen_max,
-    )  # fmt: skip
+        grace_ms=s.risk_grace_ms,
+        horizon_ms=s.risk_horizon_ms,
+        small_amount_cents=cents(s.risk_small_amount),
+        dedup_ids=s.risk_dedup_ids,
+        seen_max=s.risk_seen_max,
+    )
 
 
 class _Batches:
@@ -155,7 +156,7 @@ class RiskAgents:
             review = review if review is not None else self.model.meta["review_threshold"]
             decline = decline if decline is not None else self.model.meta["decline_threshold"]
         self.thresholds = Thresholds(review_score=review or 0.5, decline_score=decline or 0.9)
-        self.tables: dict[str, faust.Table] = {}
+        self.tables: dict[str, TableT[str, bytes]] = {}
         #: states serialised by a batch whose outputs the broker has not acknowledged yet
         self.pending: dict[str, dict[str, bytes]] = {}
         self.caches: dict[str, StateCache] = {}
@@ -179,7 +180,7 @@ class RiskAgents:
         self.decided = 0
 
     @staticmethod
-    def _loader(table: faust.Table, pending: dict[str, bytes]) -> Callable[[str, Any], bytes | None]:
+    def _loader(table: TableT[str, bytes], pending: dict[str, bytes]) -> Callable[[str, Any], bytes | None]:
         def load(key: str, ctx: Any) -> bytes | None:
             data = pending.get(key)  # written by a batch still waiting for the broker
             if data is not None:
@@ -278,7 +279,7 @@ class RiskAgents:
     # ---- stages ------------------------------------------------------------------------------------
     async def run_stage(self, kind: str, stream: faust.StreamT) -> None:
         """Reader half of a stage: hands records to the processor, which takes them in batches."""
-        s = stream.noack()
+        s = unacked(stream)
         batches = _Batches(self.s.risk_batch_max_records)
         processor = asyncio.ensure_future(self._process_loop(kind, s, batches))
         try:
@@ -412,10 +413,14 @@ class RiskAgents:
                 verdict = decide(ev, feats, rules, score, self.thresholds, self.model)
                 reasons = verdict.reasons + ([note] if note else [])
                 rec = decision_record(
-                    item, decision=verdict.decision, score=verdict.score, reasons=reasons,
-                    rule_version=rules.version, model_version=self.model.version if self.model else None,
+                    item,
+                    decision=verdict.decision,
+                    score=verdict.score,
+                    reasons=reasons,
+                    rule_version=rules.version,
+                    model_version=self.model.version if self.model else None,
                     decided_ms=decided,
-                )  # fmt: skip
+                )
                 futures.append(await self._send(self.rt.topics.risk_decisions, ev["account"], _dumps(rec)))
                 self.metrics.decisions.labels(decision=verdict.decision).inc()
                 for hit in verdict.hits:
@@ -431,16 +436,27 @@ class RiskAgents:
         late_by = watermark - ev["event_time_ms"]
         self.metrics.late_events.inc()
         record = {
-            "event": ev, "watermark_ms": watermark, "late_by_ms": late_by, "grace_ms": self.s.risk_grace_ms,
-            "source_partition": msg.partition, "source_offset": msg.offset,
-        }  # fmt: skip
+            "event": ev,
+            "watermark_ms": watermark,
+            "late_by_ms": late_by,
+            "grace_ms": self.s.risk_grace_ms,
+            "source_partition": msg.partition,
+            "source_offset": msg.offset,
+        }
         now = now_ms()
         rec = decision_record(
-            item, decision="review", score=None, rule_version=item["rv"], model_version=None, decided_ms=now,
-            reasons=[f"late_event: {late_by} ms behind the account's latest event, grace {self.s.risk_grace_ms} ms; "
-                     "scored on no features"],
+            item,
+            decision="review",
+            score=None,
+            rule_version=item["rv"],
+            model_version=None,
+            decided_ms=now,
+            reasons=[
+                f"late_event: {late_by} ms behind the account's latest event, grace {self.s.risk_grace_ms} ms; "
+                "scored on no features"
+            ],
             late=True,
-        )  # fmt: skip
+        )
         self.metrics.decisions.labels(decision="review").inc()
         self.metrics.decision_latency.observe(max(0, now - item["ts"]) / 1000)
         return [
@@ -454,8 +470,13 @@ class RiskAgents:
         ids = salvage_event_ids(event.message.value)
         if ids is not None:
             eid, account = ids
-            rec = {"event_id": eid, "account": account, "decision": "error", "reasons": [message],
-                   "error": {"code": "invalid_request", "message": message}}  # fmt: skip
+            rec = {
+                "event_id": eid,
+                "account": account,
+                "decision": "error",
+                "reasons": [message],
+                "error": {"code": "invalid_request", "message": message},
+            }
             futures.append(await self._send(self.rt.topics.risk_decisions, account, _dumps(rec)))
             self.metrics.decisions.labels(decision="error").inc()
         futures.append(await self.rt.deadletter(event, "invalid_request", message))
@@ -498,50 +519,30 @@ def register(rt: Runtime) -> RiskAgents:
     async def risk_rules() -> None:
         await risk.read_rules()
 
-    @app.on_partitions_revoked.connect
-    async def risk_revoked(app: faust.App, revoked: set[Any], **_: Any) -> None:
+    async def clear_caches(_: set[TP]) -> None:
         risk.clear_caches()
 
-    @app.on_partitions_assigned.connect
-    async def risk_assigned(app: faust.App, assigned: set[Any], **_: Any) -> None:
-        risk.clear_caches()
+    on_partitions(app.on_partitions_revoked, clear_caches)
+    on_partitions(app.on_partitions_assigned, clear_caches)
 
     return risk
 
 
 def build_risk_app(settings: Settings) -> tuple[faust.App, Runtime]:
     """A worker with the risk role only: no answer model, no answer caches."""
-    from agents.lifecycle import Lifecycle
-
     app = create_app(settings)
     rt = Runtime(settings, app, create_metrics())
     risk = register(rt)
-    rt.risk = risk  # type: ignore[attr-defined]
+    rt.risk = risk
     life = rt.lifecycle = Lifecycle(app, rt)
 
     @app.task
     async def announce_ready() -> None:
         await life.watch_ready()
 
-    @app.page("/readyz")
-    async def readyz(web: faust.web.Web, request: faust.web.Request) -> faust.web.Response:
-        ready = life.ready.is_set() and risk.rules_ready.is_set()
-        return web.json({"ready": ready, "serving": life.can_serve()}, status=200 if ready else 503)
+    def ready() -> bool:
+        return life.ready.is_set() and risk.rules_ready.is_set()
 
-    content_type = CONTENT_TYPE_LATEST.split(";")[0]
-
-    @app.page("/metrics")
-    async def metrics_page(web: faust.web.Web, request: faust.web.Request) -> faust.web.Response:
-        return web.bytes(generate_latest(rt.metrics.registry), content_type=content_type)
-
-    @app.page("/status")
-    async def status(web: faust.web.Web, request: faust.web.Request) -> faust.web.Response:
-        body: dict[str, object] = {"role": settings.role, "assigned": len(app.consumer.assignment())}
-        body.update(risk.status())
-        return web.json(body)
-
-    @app.page("/healthz")
-    async def healthz(web: faust.web.Web, request: faust.web.Request) -> faust.web.Response:
-        return web.json({"ok": True, "worker": settings.worker_id or f"{socket.gethostname()}:{os.getpid()}"})
+    serve_pages(life, ready=ready, describe=risk.status)
 
     return app, rt

@@ -14,7 +14,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import faust
 from faust.types import EventT
@@ -29,6 +29,9 @@ from pipeline.replybook import ReplyBook
 from pipeline.replyto import ReplyToPolicy
 from pipeline.settings import Settings
 from pipeline.topics import TopicNames
+
+if TYPE_CHECKING:
+    from agents.risk import RiskAgents
 
 #: raw bytes kept in a dead letter: base64 and the other fields then stay under a default cluster's
 #: 1 MiB message.max.bytes, whatever the request's size
@@ -50,6 +53,8 @@ class Runtime:
     inference: Any = None
     #: readiness and drains (agents.lifecycle.Lifecycle), set by the worker
     lifecycle: Any = None
+    #: the risk agents' state, when this worker runs them (``--role risk``)
+    risk: RiskAgents | None = None
     #: recorded replies (a GlobalTable); None only in tools that send no replies
     book: ReplyBook | None = None
     acker: Acker = field(init=False)
@@ -158,8 +163,8 @@ class Runtime:
             request_id=request_id,
             user_id=user_id,
             status="error",
-            error=ErrorInfo(code=code, message=message, retry_after_ms=retry_after_ms),  # type: ignore[arg-type]
-            priority=priority,  # type: ignore[arg-type]
+            error=ErrorInfo(code=code, message=message, retry_after_ms=retry_after_ms),
+            priority=priority,
             degradation_level=degradation_level,
             timings=timings or Timings(),
         )
@@ -211,6 +216,16 @@ class _Delivery:
                 await asyncio.sleep(0.2 * 2**attempt)
                 self.fut = await self.rt.topic(self.topic).send(key=self.key, value=self.value)
         raise AssertionError("unreachable")
+
+
+def unacked(stream: faust.StreamT) -> faust.StreamT:
+    """``stream`` with Faust's automatic acks off: an agent acks each record itself, once what the
+    record produced is on the broker (docs/architecture.md, "Guarantees").
+
+    An agent is handed a :class:`faust.Stream`, but typed as the :class:`faust.StreamT` interface,
+    which does not declare ``noack``.
+    """
+    return cast(faust.Stream[Any], stream).noack()
 
 
 @contextlib.contextmanager

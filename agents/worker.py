@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
 import time
 from typing import Any
 
 import faust
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from faust.types import TP, TableT
 
 from agents import inference as inference_agent
 from agents import intake as intake_agent
-from agents.lifecycle import Lifecycle
+from agents.lifecycle import Lifecycle, on_partitions, serve_pages
 from agents.runtime import Runtime
 from pipeline.admin import changelog_config
 from pipeline.app import create_app, table_store_options
@@ -38,6 +36,20 @@ def _json_kv(event: Any) -> tuple[str, Any]:
     return str(key), value
 
 
+def _json_global_table(app: faust.App, settings: Settings, name: str, **extra: Any) -> TableT:
+    """A global table of JSON keys and values, one partition per source partition, in a bounded
+    RocksDB store (docs/architecture.md, "Guarantees")."""
+    return app.GlobalTable(
+        name,
+        default=None,
+        partitions=settings.partitions,
+        use_partitioner=True,
+        schema=faust.Schema(key_serializer="json", value_serializer="json"),
+        options=table_store_options(settings),
+        **extra,
+    )
+
+
 def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
     """The app with everything ``settings.role`` asks for, ready for ``faust.Worker``."""
     if settings.role == "risk":
@@ -53,11 +65,7 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
         if cache is not None:
             cache.learn(*_json_kv(event))
 
-    answers = app.GlobalTable(
-        "answers", default=None, partitions=settings.partitions, use_partitioner=True,
-        schema=faust.Schema(key_serializer="json", value_serializer="json"),
-        on_changelog_event=learn_answer, options=table_store_options(settings),
-    )  # fmt: skip
+    answers = _json_global_table(app, settings, "answers", on_changelog_event=learn_answer)
     cache = (
         AnswerCache(
             answers, ttl_s=settings.cache_ttl_s, max_entries=settings.cache_max_entries, clock_ms=now_ms
@@ -65,12 +73,12 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
         if settings.cache_enabled
         else None
     )
-    replybook = app.GlobalTable(
-        "replybook", default=None, partitions=settings.partitions, use_partitioner=True,
-        schema=faust.Schema(key_serializer="json", value_serializer="json"),
+    replybook = _json_global_table(
+        app,
+        settings,
+        "replybook",
         extra_topic_configs=changelog_config(settings, f"{settings.app_id}-replybook-changelog"),
-        options=table_store_options(settings),
-    )  # fmt: skip
+    )
     rt.book = ReplyBook(replybook, ttl_ms=settings.reply_record_ttl_s * 1000, clock_ms=now_ms)
     from models.registry import build_model
 
@@ -96,15 +104,17 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
     sources = [rt.topics.requests, *(rt.topics.work(p) for p in PRIORITIES)]
     life = rt.lifecycle = Lifecycle(app, rt, source_topics=sources)
 
-    @app.on_partitions_revoked.connect
-    async def drain_on_revoke(app: faust.App, revoked: set[Any], **_: Any) -> None:
-        await life.on_revoked(revoked)
-
-    @app.on_partitions_assigned.connect
-    async def seek_sources(app: faust.App, assigned: set[Any], **_: Any) -> None:
+    async def seek_sources(assigned: set[TP]) -> None:
         # every source partition starts at its committed offset, else the log start (agents/acks.py)
         rt.acker.keep_only(assigned)
-        await rt.acker.seek_to_starts([tp for tp in assigned if tp.topic in life.source_topics])
+        life.seeking += 1
+        try:
+            await rt.acker.seek_to_starts([tp for tp in assigned if tp.topic in life.source_topics])
+        finally:
+            life.seeking -= 1
+
+    on_partitions(app.on_partitions_revoked, life.on_revoked)
+    on_partitions(app.on_partitions_assigned, seek_sources)
 
     @app.timer(interval=settings.commit_interval_ms / 1000)
     async def commit_released() -> None:
@@ -120,33 +130,18 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
     async def announce_ready() -> None:
         await life.watch_ready()
 
-    @app.page("/readyz")
-    async def readyz(web: faust.web.Web, request: faust.web.Request) -> faust.web.Response:
-        ready = life.ready.is_set()
-        return web.json({"ready": ready, "serving": life.can_serve()}, status=200 if ready else 503)
-
-    gpu = GpuSampler(rt.metrics)
-    content_type = CONTENT_TYPE_LATEST.split(";")[0]
-
-    @app.page("/metrics")
-    async def metrics_page(web: faust.web.Web, request: faust.web.Request) -> faust.web.Response:
-        gpu.sample()
-        return web.bytes(generate_latest(rt.metrics.registry), content_type=content_type)
-
-    @app.page("/status")
-    async def status(web: faust.web.Web, request: faust.web.Request) -> faust.web.Response:
+    def describe() -> dict[str, object]:
+        body: dict[str, object] = {}
         inf = rt.inference
-        body: dict[str, object] = {"role": settings.role, "assigned": len(app.consumer.assignment())}
         if inf is not None:
             body.update(inf.status())
         if intake is not None:
             body["ratelimit_buckets_swept"] = intake.swept
         if cache is not None:
             body["cache"] = cache.stats()
-        return web.json(body)
+        return body
 
-    @app.page("/healthz")
-    async def healthz(web: faust.web.Web, request: faust.web.Request) -> faust.web.Response:
-        return web.json({"ok": True, "worker": settings.worker_id or f"{socket.gethostname()}:{os.getpid()}"})
+    gpu = GpuSampler(rt.metrics)
+    serve_pages(life, ready=life.ready.is_set, describe=describe, before_scrape=gpu.sample)
 
     return app, rt

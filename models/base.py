@@ -45,6 +45,11 @@ class ModelInput:
                 return m.content
         return self.messages[-1].content if self.messages else ""
 
+    def chat(self) -> list[dict[str, str]]:
+        """The messages as chat-completion dicts (``role``, ``content``): what an OpenAI-compatible
+        endpoint and a Hugging Face tokenizer's chat template both read."""
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
 
 @dataclass(frozen=True, slots=True)
 class ModelOutput:
@@ -75,7 +80,7 @@ class ModelBackend(abc.ABC):
         """A canned answer for degradation level 3, or ``None``."""
         return None
 
-    def template_answers(self, batch: Sequence[ModelInput]) -> list[ModelOutput | None]:
+    def template_answers(self, batch: Sequence[ModelInput]) -> Sequence[ModelOutput | None]:
         """:meth:`template_answer` for a batch (blocking: called in a worker thread, never on the
         event loop); a backend that classifies overrides it to do one call for the batch."""
         return [self.template_answer(inp) for inp in batch]

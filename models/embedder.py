@@ -35,7 +35,10 @@ class Embedder:
             self._model = SentenceTransformer(self.path, device=device)
         except Exception as exc:
             raise ModelLoadError(f"cannot load sentence-transformers model from {self.path}: {exc}") from exc
-        self.dim = int(self._model.get_embedding_dimension())
+        dim = self._model.get_embedding_dimension()
+        if dim is None:  # a model whose last module does not say its output size
+            raise ModelLoadError(f"the sentence-transformers model in {self.path} reports no embedding size")
+        self.dim = int(dim)
         #: whether this embedder reads Chinese; MiniLM-L6 does not
         self.multilingual = "multilingual" in self.path.lower() or "paraphrase-multilingual" in self.path
 

@@ -403,7 +403,7 @@ class FAQAnswerer(ModelBackend):
         """The same canned answer, marked ``finish_reason="template"``; called under degradation level 3."""
         return self.template_answers([inp])[0]
 
-    def template_answers(self, batch: Sequence[ModelInput]) -> list[ModelOutput]:  # type: ignore[override]
+    def template_answers(self, batch: Sequence[ModelInput]) -> list[ModelOutput]:
         """Template answers for a batch: one classification, with the pipeline's vectors if given."""
         given = [inp.vector for inp in batch]
         vectors = np.stack(given).astype(np.float32) if given and all(v is not None for v in given) else None

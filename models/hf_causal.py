@@ -82,7 +82,7 @@ class _PerRowTemperature:
         self._greedy = temps <= 0.0
         self._temps = torch.where(self._greedy, torch.ones_like(temps), temps).unsqueeze(1)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         import torch
 
         scaled = scores / self._temps.to(scores.dtype)
@@ -216,9 +216,13 @@ class HFCausalLM(ModelBackend):
             ) from exc
         if "device_map" not in kwargs:
             self._device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            model = model.to(self._device)
+            # transformers wraps PreTrainedModel.to with functools.wraps, whose typeshed type does not
+            # bind ``self``: mypy takes the device for the model
+            model = model.to(self._device)  # type: ignore[arg-type]
         else:
-            self._device = model.get_input_embeddings().weight.device
+            weight = model.get_input_embeddings().weight
+            assert isinstance(weight, torch.Tensor), "an embedding layer's weight is a tensor"
+            self._device = weight.device
         model.eval()
         tokenizer.padding_side = "left"
         tokenizer.truncation_side = "left"
@@ -255,7 +259,7 @@ class HFCausalLM(ModelBackend):
 
     def render_prompt(self, inp: ModelInput) -> str:
         """The text the model continues: the chat template when the tokenizer has one."""
-        messages = [{"role": m.role, "content": m.content} for m in inp.messages]
+        messages = inp.chat()
         if self._tokenizer is not None and getattr(self._tokenizer, "chat_template", None):
             return str(
                 self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -350,6 +354,7 @@ class HFCausalLM(ModelBackend):
         gen_cfg.output_scores = False
         processors = LogitsProcessorList()
         if sampled:
+            assert self._device is not None, "load() sets the device, and infer() checked it ran"
             gen_cfg.do_sample = True
             gen_cfg.temperature = 1.0  # per-row temperatures are applied by the processor below
             processors.append(_PerRowTemperature([inp.temperature for inp in batch], self._device))

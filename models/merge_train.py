@@ -225,8 +225,14 @@ def calibration_table(probs: np.ndarray, y: np.ndarray, bins: int = 10) -> list[
     for lo, hi in itertools.pairwise(edges):
         m = (probs >= lo) & (probs < hi if hi < 1 else probs <= hi)
         if m.any():
-            out.append({"bin": round(float(lo), 1), "n": int(m.sum()), "predicted": round(float(probs[m].mean()), 4),
-                        "observed": round(float(y[m].mean()), 4)})  # fmt: skip
+            out.append(
+                {
+                    "bin": round(float(lo), 1),
+                    "n": int(m.sum()),
+                    "predicted": round(float(probs[m].mean()), 4),
+                    "observed": round(float(y[m].mean()), 4),
+                }
+            )
     return out
 
 
@@ -254,9 +260,12 @@ def train(
     }
     bank_train, _ = split_banking77(data / "banking77" / "train.csv", 0.15, 77)
 
-    corpus = list(dict.fromkeys(
-        [t for name in ("en-train", "zh-train") for a, b, _ in sts[name] for t in (a, b)] + [t for t, _ in bank_train]
-    ))  # fmt: skip
+    corpus = list(
+        dict.fromkeys(
+            [t for name in ("en-train", "zh-train") for a, b, _ in sts[name] for t in (a, b)]
+            + [t for t, _ in bank_train]
+        )
+    )
     idf = IdfTable.fit(idf_keys(t) for t in tqdm(corpus, desc="idf", unit="text", file=sys.stderr))
     blank = LearnedDecision({}, idf, profile_cache=200_000)
 
@@ -316,10 +325,15 @@ def train(
             },
             "calibration_dev": calibration_table(
                 dev_p[(dev.scores >= PARAPHRASE_MIN) | (dev.scores < DIFFERENT_BELOW)],
-                (dev.scores[(dev.scores >= PARAPHRASE_MIN) | (dev.scores < DIFFERENT_BELOW)] >= PARAPHRASE_MIN).astype(float),
+                (
+                    dev.scores[(dev.scores >= PARAPHRASE_MIN) | (dev.scores < DIFFERENT_BELOW)]
+                    >= PARAPHRASE_MIN
+                ).astype(float),
             ),
-            "weights": dict(zip(FEATURES, [round(float(v), 4) for v in heads[lang].layers[0][0][:, 0]], strict=True)),
-        }  # fmt: skip
+            "weights": dict(
+                zip(FEATURES, [round(float(v), 4) for v in heads[lang].layers[0][0][:, 0]], strict=True)
+            ),
+        }
         print(
             f"{lang}: operating point {threshold:.3f} (cosine floor {floor:.2f}); dev paraphrases merged "
             f"{dev_rates['paraphrase']:.1%}, < 3 {dev_rates['below_3']:.2%}, < 4 {dev_rates['below_4']:.2%}",

@@ -183,7 +183,7 @@ class RemoteOpenAIModel(ModelBackend):
         where = f"item {index} of a batch of {n}"
         kwargs: dict[str, Any] = {
             "model": self.model,
-            "messages": [{"role": m.role, "content": m.content} for m in inp.messages],
+            "messages": inp.chat(),
             "max_tokens": inp.max_tokens,
             "temperature": inp.temperature,
         }
