@@ -8,6 +8,11 @@ the semantic cache, or merged into an open leader; the rest wait for a micro-bat
 travels with the item, so the FAQ answerer does not embed again. The model runs in a worker
 thread. A reply is recorded and sent for every request and its offset acked, in offset order, only
 after the broker has it. See docs/architecture.md, "The path of a request".
+
+The decisions are pure code, tested without Faust: what becomes of an embedded item in
+:mod:`pipeline.routing`, degradation re-planning in :mod:`pipeline.replan`, the queue's and the
+controller's configs in :mod:`pipeline.inference_config`. This module keeps the glue: readers,
+threads, replies and metrics.
 """
 
 from __future__ import annotations
@@ -28,21 +33,32 @@ from agents.acks import Ticket
 from agents.exceptions import WorkItemError
 from agents.intake import scope_of
 from agents.outcomes import Outcome, Pending, ReplyWriter
-from agents.runtime import Runtime, event_context
+from agents.runtime import Runtime, event_context, unacked
 from models.base import ChatMessage, ModelBackend, ModelInput, ModelOutput
 from models.embedder import Embedder
 from pipeline.batcher import AsyncBatcher, BatchObserver
 from pipeline.cache import AnswerCache, CachedAnswer
 from pipeline.dedup import exact_key, is_embeddable, normalize
-from pipeline.degrade import DegradationController, DegradeConfig, MissRateWindow, plan
-from pipeline.exceptions import DeadlineExceededError, OverloadedError, SurgeError
+from pipeline.degrade import DegradationController, DegradePlan, MissRateWindow
+from pipeline.exceptions import DeadlineExceededError, SurgeError
+from pipeline.inference_config import degrade_config, scheduler_config
 from pipeline.isolation import RetryPolicy, run_isolated
 from pipeline.keys import reply_key, source_key
 from pipeline.merge import MergeRegistry
 from pipeline.pairs import decision_from_settings
 from pipeline.records import WorkItem, now_ms
-from pipeline.scheduler import DeadlinePolicy, QueuedItem, Scheduler, SchedulerConfig
-from pipeline.terms import PRIORITIES, RANK, Priority, Tier
+from pipeline.replan import level_in_force, request_plan, split_popped
+from pipeline.routing import (
+    Cached,
+    Refused,
+    RoutingRules,
+    Templated,
+    embed_batch_limit,
+    route,
+    take_arrivals,
+)
+from pipeline.scheduler import QueuedItem, Scheduler
+from pipeline.terms import PRIORITIES, RANK, Priority
 
 log = logging.getLogger("surge.inference")
 
@@ -53,6 +69,8 @@ BUSY_FALLBACK = "We are very busy right now; please try again shortly."
 def decode_work_item(event: EventT) -> WorkItem:
     """The WorkItem in a work-topic record, or :class:`WorkItemError`."""
     msg = event.message
+    if msg.value is None:  # a tombstone: nothing to decode
+        raise WorkItemError(msg.topic, msg.partition, msg.offset, "the record has no value")
     try:
         return WorkItem.model_validate_json(msg.value)
     except (ValidationError, ValueError, TypeError) as exc:
@@ -84,29 +102,12 @@ class Inference:
         self.template_model = template_model
         self.embedder = embedder
         self.cache = cache
-        cfg = SchedulerConfig(
-            deadline_ms={Priority(p): s.deadline_ms(p) for p in PRIORITIES},
-            queue_limit={Priority(p): s.queue_limit_per_class for p in PRIORITIES},
-            deadline_policy={Priority.BATCH: DeadlinePolicy(s.deadline_policy_batch)},
-            max_batch_size=min(s.max_batch_size, model.max_batch_size),
-            base_batch_size=min(s.base_batch_size, s.max_batch_size, model.max_batch_size),
-            max_wait_ms=s.max_wait_ms,
-        )
-        self.scheduler = Scheduler(cfg, policy=s.queue_policy)
+        self.scheduler = Scheduler(scheduler_config(s, model.max_batch_size), policy=s.queue_policy)
         self.batcher = AsyncBatcher(self.scheduler, _Observer(self))
         #: one merge decision for live merging and the semantic cache (what `surge dedup eval` measures)
         self.decision = decision_from_settings(s)
         self.merges = MergeRegistry(decision=self.decision)
-        self.controller = DegradationController(
-            DegradeConfig(
-                up_queue_depth=s.degrade_up_queue_depth,
-                down_queue_depth=s.degrade_down_queue_depth,
-                up_miss_rate=s.degrade_up_miss_rate,
-                down_miss_rate=s.degrade_down_miss_rate,
-                cooldown_ms=s.degrade_cooldown_ms,
-                max_tokens_cap=s.degrade_max_tokens_cap,
-            )
-        )
+        self.controller = DegradationController(degrade_config(s))
         self.misses = MissRateWindow()
         self.model_pool = ThreadPoolExecutor(1, thread_name_prefix="surge-model")
         self.embed_pool = ThreadPoolExecutor(1, thread_name_prefix="surge-embed")
@@ -118,7 +119,7 @@ class Inference:
         self.loaded = False
         self.use_vectors = False
         #: admitted items waiting to be embedded, per class
-        self._arrivals: dict[str, deque[Pending]] = {p: deque() for p in PRIORITIES}
+        self._arrivals: dict[str, deque[Pending]] = {priority: deque() for priority in PRIORITIES}
         self._arrived = asyncio.Event()
         #: set whenever items leave the arrivals or the queue (readers may have room again)
         self._room = asyncio.Event()
@@ -171,15 +172,15 @@ class Inference:
     def waiting(self, priority: str | None = None) -> int:
         """Items admitted and not yet in a batch: waiting to be embedded or queued."""
         if priority is None:
-            return sum(len(q) for q in self._arrivals.values()) + self.scheduler.depth()
+            return sum(len(waiting) for waiting in self._arrivals.values()) + self.scheduler.depth()
         return len(self._arrivals[priority]) + self.scheduler.depth(Priority(priority))
 
     def status(self) -> dict[str, object]:
         """What /status shows: queue depths, paused topics, open leaders, model calls."""
         return {
             "ready": self.ready.is_set(),
-            "depths": {str(p): n for p, n in self.scheduler.depths().items()},
-            "arrivals_waiting": {p: len(q) for p, q in self._arrivals.items()},
+            "depths": {str(priority): n for priority, n in self.scheduler.depths().items()},
+            "arrivals_waiting": {priority: len(waiting) for priority, waiting in self._arrivals.items()},
             "blocked_classes": sorted(self._blocked),
             "open_leaders": len(self.merges),
             "in_flight": len(self._inflight),
@@ -204,13 +205,13 @@ class Inference:
         if self.waiting(priority) >= s.queue_limit_per_class:
             return False
         rank = RANK[priority]
-        if sum(self.waiting(p) for p in PRIORITIES[: rank + 1]) >= self.work_bound():
+        if sum(self.waiting(higher) for higher in PRIORITIES[: rank + 1]) >= self.work_bound():
             return False
         if s.queue_policy != "edf":
-            return sum(len(q) for q in self._arrivals.values()) < s.embed_queue_limit
+            return sum(len(waiting) for waiting in self._arrivals.values()) < s.embed_queue_limit
         # strict priority: a class is read only while no higher class has anything waiting, and
         # lower classes' embedding backlog never holds a higher class back
-        if any(self.waiting(p) for p in PRIORITIES[:rank]):
+        if any(self.waiting(higher) for higher in PRIORITIES[:rank]):
             return False
         return len(self._arrivals[priority]) < s.embed_queue_limit
 
@@ -262,10 +263,10 @@ class Inference:
             first.twins.append(pending)
             return
         self._inflight[key] = pending
-        p = self._plan(pending)
+        degrade_plan = self._plan(pending, self._level())
         # a template is answered after the embedding stage: from the cache when it can, else from
         # the template model with the item's vector, in a batch, off the event loop
-        pending.template = p.use_template and self.template_model is not None
+        pending.template = degrade_plan.use_template and self.template_model is not None
         self._arrivals[priority].append(pending)
         self._arrived.set()
 
@@ -279,50 +280,47 @@ class Inference:
         )
         msg = event.message
         return Pending(
-            stream, event, work, scope="", inp=inp, ticket=ticket,
+            stream,
+            event,
+            work,
+            scope="",
+            inp=inp,
+            ticket=ticket,
             lead_id=source_key(msg.topic, msg.partition, msg.offset),
-        )  # fmt: skip
+        )
 
-    def _plan(self, it: Pending) -> Any:
-        """Apply the current degradation level to an item (at admission, and again when popped if
-        the level rose meanwhile); sets its level, parameters, scope and cache key."""
+    def _level(self) -> int:
+        """The degradation level requests are planned at now."""
+        return level_in_force(self.controller.level, self.rt.settings.degrade_enabled)
+
+    def _plan(self, pending: Pending, level: int) -> DegradePlan:
+        """Apply degradation ``level`` to an item (at admission, and again when popped if the level
+        rose meanwhile); sets its level, parameters, scope and cache key."""
         s = self.rt.settings
-        level = self.controller.level if s.degrade_enabled else 0
-        req = it.work.request
-        p = plan(
-            level, it.work.priority, it.work.tier, req.max_tokens, req.logprobs,
-            max_tokens_cap=s.degrade_max_tokens_cap,
-        )  # fmt: skip
-        it.level = p.level_applied
-        it.inp = replace(it.inp, max_tokens=p.max_tokens, logprobs=p.logprobs)
+        req = pending.work.request
+        degrade_plan = request_plan(pending.work, level, s.degrade_max_tokens_cap)
+        pending.level = degrade_plan.level_applied
+        pending.inp = replace(pending.inp, max_tokens=degrade_plan.max_tokens, logprobs=degrade_plan.logprobs)
         # a degraded answer is cached under the parameters it was made with, not the asked ones
-        it.scope = scope_of(req, s.served_model, self.model.version, p.max_tokens, p.logprobs)
-        it.cache_key = exact_key(normalize(it.inp.text), it.scope) if req.cache else None
-        return p
+        pending.scope = scope_of(
+            req, s.served_model, self.model.version, degrade_plan.max_tokens, degrade_plan.logprobs
+        )
+        pending.cache_key = exact_key(normalize(pending.inp.text), pending.scope) if req.cache else None
+        return degrade_plan
 
-    def _answered(self, it: Pending) -> None:
-        req = it.work.request
+    def _answered(self, pending: Pending) -> None:
+        req = pending.work.request
         key = reply_key(req.tenant, req.user_id, req.request_id)
-        if self._inflight.get(key) is it:
+        if self._inflight.get(key) is pending:
             del self._inflight[key]
 
     # ---- embedding, cache, merge ------------------------------------------------------------------
     def _take_arrivals(self) -> list[Pending]:
-        """The next embedding batch: highest classes first, about ``embed_budget_ms`` of measured
-        embedding time (at most ``embed_max_batch_size``); a batch holding real-time items stops at
-        them, so they never wait for a long embedding call."""
+        """The next embedding batch (:func:`pipeline.routing.take_arrivals`), sized to about
+        ``embed_budget_ms`` of measured embedding time."""
         s = self.rt.settings
-        limit = s.embed_max_batch_size
-        if self.embed_ms_per_item > 0:
-            limit = max(4, min(limit, int(s.embed_budget_ms / self.embed_ms_per_item)))
-        out: list[Pending] = []
-        for p in PRIORITIES:
-            q = self._arrivals[p]
-            while q and len(out) < limit:
-                out.append(q.popleft())
-            if out and p == "realtime":
-                break
-        return out
+        limit = embed_batch_limit(s.embed_max_batch_size, s.embed_budget_ms, self.embed_ms_per_item)
+        return take_arrivals(self._arrivals, limit)
 
     async def embed_loop(self) -> None:
         """Embed arrivals in batches, then answer from cache, merge, or queue each one."""
@@ -338,11 +336,12 @@ class Inference:
             if not items:
                 continue
             want = [
-                i for i, it in enumerate(items)
+                i
+                for i, pending in enumerate(items)
                 if self.embedder is not None
-                and (self.use_vectors or s.dedup_enabled or (s.cache_enabled and it.work.request.cache))
-                and (self.use_vectors or is_embeddable(it.inp.text, self.embedder.multilingual))
-            ]  # fmt: skip
+                and (self.use_vectors or s.dedup_enabled or (s.cache_enabled and pending.work.request.cache))
+                and (self.use_vectors or is_embeddable(pending.inp.text, self.embedder.multilingual))
+            ]
             if want:
                 assert self.embedder is not None
                 self.rt.metrics.embed_batch_size.observe(len(want))
@@ -365,23 +364,27 @@ class Inference:
             done: list[Outcome] = []
             templated: list[Pending] = []
             found = await self._lookups(items)
-            for it, hit in zip(items, found, strict=True):
+            for pending, hit in zip(items, found, strict=True):
                 try:
-                    with event_context(it.event):
-                        self._route(it, hit, done, templated)
+                    with event_context(pending.event):
+                        self._route(pending, hit, done, templated)
                 except Exception as exc:
-                    log.exception("routing %s failed", it.req_id)
-                    done.append(Outcome.error(it, SurgeError(f"internal error: {type(exc).__name__}")))
+                    log.exception("routing %s failed", pending.req_id)
+                    done.append(Outcome.error(pending, SurgeError(f"internal error: {type(exc).__name__}")))
             if templated:
                 done += await self._templates(templated)
             self._room.set()
             if done:
                 await self.replies.send(done, batch_size=0)
 
-    def _semantic_ok(self, it: Pending) -> bool:
-        return it.vector is not None and (
-            self.embedder is None or is_embeddable(it.inp.text, self.embedder.multilingual)
+    def _semantic_ok(self, pending: Pending) -> bool:
+        return pending.vector is not None and (
+            self.embedder is None or is_embeddable(pending.inp.text, self.embedder.multilingual)
         )
+
+    def _routing_rules(self) -> RoutingRules:
+        s = self.rt.settings
+        return RoutingRules(cache_on=s.cache_enabled and self.cache is not None, dedup_on=s.dedup_enabled)
 
     def _lookup_all(self, items: list[Pending]) -> list[tuple[CachedAnswer, float] | None]:
         """The cached answer for each item, exact else semantic (None where there is none or the
@@ -389,16 +392,19 @@ class Inference:
         decision stay off the event loop; the cache writes no store here (docs/architecture.md,
         "Semantic dedup")."""
         s = self.rt.settings
+        rules = self._routing_rules()
         out: list[tuple[CachedAnswer, float] | None] = []
-        for it in items:
-            if not (s.cache_enabled and it.work.request.cache and self.cache is not None):
+        for pending in items:
+            if self.cache is None or not rules.uses_cache(pending.work):
                 out.append(None)
                 continue
-            assert it.cache_key is not None
+            assert pending.cache_key is not None
             # semantic_cache_enabled off: exact hits only (a replay's default, docs/architecture.md, "Replay")
             decision = self.decision if s.semantic_cache_enabled else None
-            vector = it.vector if self._semantic_ok(it) else None
-            out.append(self.cache.lookup(it.cache_key, it.scope, vector, it.inp.text, decision))
+            vector = pending.vector if self._semantic_ok(pending) else None
+            out.append(
+                self.cache.lookup(pending.cache_key, pending.scope, vector, pending.inp.text, decision)
+            )
         return out
 
     async def _lookups(self, items: list[Pending]) -> list[tuple[CachedAnswer, float] | None]:
@@ -418,43 +424,35 @@ class Inference:
 
     def _route(
         self,
-        it: Pending,
+        pending: Pending,
         found: tuple[CachedAnswer, float] | None,
         done: list[Outcome],
         templated: list[Pending],
     ) -> None:
-        s, m = self.rt.settings, self.rt.metrics
-        req = it.work.request
-        if s.cache_enabled and req.cache and self.cache is not None:
-            m.cache_lookups.labels(layer="semantic", result="hit" if found else "miss").inc()
-            if found is not None:
-                entry, sim = found
-                out = ModelOutput(entry.answer, entry.finish_reason)
-                done.append(Outcome(it, out, "cache", entry.request_id, sim, entry.model_version))
-                return
-        if it.template:
-            templated.append(it)
-            return
-        rank = RANK[it.work.priority]
-        vector = it.vector if self._semantic_ok(it) else None
-        if s.dedup_enabled and req.cache:
-            joined = self.merges.find(it.scope, it.inp.text, vector, rank)
-            if joined is not None:
-                leader, sim = joined
-                leader.followers.append((it, sim))
-                return
-        item = QueuedItem(
-            item_id=it.lead_id, user_id=req.user_id, priority=Priority(it.work.priority),
-            tier=Tier(it.work.tier), created_at_ms=it.work.created_at_ms,
-            deadline_at_ms=it.work.deadline_at_ms, enqueued_at_ms=now_ms(), payload=it,
-        )  # fmt: skip
-        try:
-            self.batcher.put(item)
-        except OverloadedError as exc:
-            done.append(Outcome.error(it, exc))
-            return
-        if s.dedup_enabled and req.cache:
-            self.merges.open(it.lead_id, it.scope, it.inp.text, vector, rank)
+        """Route one embedded item (:func:`pipeline.routing.route`) and record what became of it."""
+        rules = self._routing_rules()
+        if rules.uses_cache(pending.work):
+            result = "hit" if found is not None else "miss"
+            self.rt.metrics.cache_lookups.labels(layer="semantic", result=result).inc()
+        decision = route(
+            pending,
+            found,
+            rules=rules,
+            merges=self.merges,
+            enqueue=self.batcher.put,
+            vector=pending.vector if self._semantic_ok(pending) else None,
+            now_ms=now_ms(),
+        )
+        if isinstance(decision, Cached):
+            entry = decision.entry
+            answer = ModelOutput(entry.answer, entry.finish_reason)
+            done.append(
+                Outcome(pending, answer, "cache", entry.request_id, decision.similarity, entry.model_version)
+            )
+        elif isinstance(decision, Templated):
+            templated.append(pending)
+        elif isinstance(decision, Refused):
+            done.append(Outcome.error(pending, decision.error))
 
     async def failed(self, stream: faust.StreamT, event: EventT, exc: Exception) -> None:
         """An internal error on one record: an error reply where the request can be read, a dead
@@ -470,11 +468,17 @@ class Inference:
             self._inflight.pop(reply_key(req.tenant, req.user_id, req.request_id), None)
             futs.append(
                 await rt.error_reply(
-                    request_id=req.request_id, user_id=req.user_id, reply_to=work.reply_to, code="internal",
-                    message=f"internal error: {type(exc).__name__}", priority=work.priority,
-                    created_at_ms=work.created_at_ms, tenant=req.tenant, event=event,
+                    request_id=req.request_id,
+                    user_id=req.user_id,
+                    reply_to=work.reply_to,
+                    code="internal",
+                    message=f"internal error: {type(exc).__name__}",
+                    priority=work.priority,
+                    created_at_ms=work.created_at_ms,
+                    tenant=req.tenant,
+                    event=event,
                 )
-            )  # fmt: skip
+            )
         futs.append(await rt.deadletter(event, "internal", f"internal error: {exc!r}"))
         ticket = rt.acker.ticket_of(event) or await rt.acker.track(event)
         if ticket is not None:
@@ -489,17 +493,17 @@ class Inference:
             self._room.set()
             now = now_ms()
             done: list[Outcome] = []
-            for q in batch.expired:
-                it: Pending = q.payload
-                late = int(now - (q.deadline_at_ms or now))
-                deadline = int((q.deadline_at_ms or now) - it.work.created_at_ms)
-                err = DeadlineExceededError(deadline, late, str(q.priority))
-                self.rt.metrics.deadline_missed.labels(priority=str(q.priority)).inc()
-                if not it.work.client_deadline:
+            for expired in batch.expired:
+                pending: Pending = expired.payload
+                late = int(now - (expired.deadline_at_ms or now))
+                deadline = int((expired.deadline_at_ms or now) - pending.work.created_at_ms)
+                missed = DeadlineExceededError(deadline, late, str(expired.priority))
+                self.rt.metrics.deadline_missed.labels(priority=str(expired.priority)).inc()
+                if not pending.work.client_deadline:
                     self.misses.record(True, now)
-                done.append(Outcome.error(it, err))
-                for f, _ in self.merges.close(it.lead_id):
-                    done.append(Outcome.error(f, err))
+                done.append(Outcome.error(pending, missed))
+                for follower, _ in self.merges.close(pending.lead_id):
+                    done.append(Outcome.error(follower, missed))
             if done:
                 await self.replies.send(done, batch_size=0)
             if batch.items:
@@ -509,9 +513,12 @@ class Inference:
                     log.exception("batch of %d failed", len(batch.items))
                     err = SurgeError(f"internal error: {type(exc).__name__}")
                     failed: list[Outcome] = []
-                    for q in batch.items:
-                        failed.append(Outcome.error(q.payload, err))
-                        failed.extend(Outcome.error(f, err) for f, _ in self.merges.close(q.payload.lead_id))
+                    for queued in batch.items:
+                        failed.append(Outcome.error(queued.payload, err))
+                        failed.extend(
+                            Outcome.error(follower, err)
+                            for follower, _ in self.merges.close(queued.payload.lead_id)
+                        )
                     await self.replies.send(failed)
 
     async def pressure_loop(self) -> None:
@@ -525,9 +532,9 @@ class Inference:
         """Feed the controller and the gauges; returns the level."""
         m = self.rt.metrics
         total = 0
-        for p in PRIORITIES:
-            n = self.waiting(p)
-            m.requests_queue_depth.labels(priority=p).set(n)
+        for priority in PRIORITIES:
+            n = self.waiting(priority)
+            m.requests_queue_depth.labels(priority=priority).set(n)
             total += n
         m.requests_in_queue_per_worker.set(total)
         if not self.rt.settings.degrade_enabled:
@@ -538,38 +545,30 @@ class Inference:
         return level
 
     def _degrade_queued(self, items: list[QueuedItem]) -> tuple[list[QueuedItem], list[Pending]]:
-        """Apply the current degradation level to popped items (they may have queued at a lower one).
-
-        Returns the items still to run and those that now get the template answer.
-        """
-        if not self.rt.settings.degrade_enabled or self.controller.level == 0:
-            return items, []
-        keep: list[QueuedItem] = []
-        templated: list[Pending] = []
-        for q in items:
-            it: Pending = q.payload
-            before = it.level
-            p = self._plan(it)
-            if p.level_applied > before and p.use_template and self.template_model is not None:
-                templated.append(it)
-            else:
-                keep.append(q)
-        return keep, templated
+        """Apply the current degradation level to popped items (they may have queued at a lower one;
+        :func:`pipeline.replan.split_popped`). Returns the items still to run and those that now
+        get the template answer."""
+        return split_popped(
+            items,
+            level=self._level(),
+            template_available=self.template_model is not None,
+            replan=self._plan,
+        )
 
     async def _templates(self, items: list[Pending]) -> list[Outcome]:
         """Template answers for ``items`` (and their followers), computed in a worker thread."""
         assert self.template_model is not None
         loop = asyncio.get_running_loop()
         outs = await loop.run_in_executor(
-            self.template_pool, self.template_model.template_answers, [p.inp for p in items]
+            self.template_pool, self.template_model.template_answers, [pending.inp for pending in items]
         )
         done: list[Outcome] = []
-        for it, out in zip(items, outs, strict=True):
-            out = out or ModelOutput(BUSY_FALLBACK, "template")
-            done.append(Outcome(it, out, "template"))
-            for f, _ in self.merges.close(it.lead_id):
-                f.level = it.level
-                done.append(Outcome(f, out, "template"))
+        for pending, out in zip(items, outs, strict=True):
+            answer = out or ModelOutput(BUSY_FALLBACK, "template")
+            done.append(Outcome(pending, answer, "template"))
+            for follower, _ in self.merges.close(pending.lead_id):
+                follower.level = pending.level
+                done.append(Outcome(follower, answer, "template"))
         return done
 
     async def _run(self, items: list[QueuedItem]) -> None:
@@ -579,51 +578,67 @@ class Inference:
             await self.replies.send(await self._templates(templated), batch_size=0)
         if not items:
             return
-        pend: list[Pending] = [q.payload for q in items]
+        batch: list[Pending] = [queued.payload for queued in items]
         now = now_ms()
-        for p in pend:
-            if not p.work.client_deadline:
+        for pending in batch:
+            if not pending.work.client_deadline:
                 self.misses.record(False, now)
         m = self.rt.metrics
-        m.batch_size.observe(len(pend))
+        m.batch_size.observe(len(batch))
         calls: list[int] = []
         t0 = time.perf_counter()
         results = await loop.run_in_executor(
-            self.model_pool, run_isolated, [p.inp for p in pend], self.model.infer, self.retry,
-            time.sleep, calls.append,
-        )  # fmt: skip
+            self.model_pool,
+            run_isolated,
+            [pending.inp for pending in batch],
+            self.model.infer,
+            self.retry,
+            time.sleep,
+            calls.append,
+        )
         seconds = time.perf_counter() - t0
-        self.model_ms_per_item = _ewma(self.model_ms_per_item, seconds * 1000 / len(pend))
+        self.model_ms_per_item = _ewma(self.model_ms_per_item, seconds * 1000 / len(batch))
         self.model_calls += len(calls)
-        self.batcher.record_batch(len(pend), seconds)
+        self.batcher.record_batch(len(batch), seconds)
         m.model_inference_latency.labels(model_version=self.model.version).observe(seconds)
         done: list[Outcome] = []
-        for p, res in zip(pend, results, strict=True):
-            done.append(Outcome(p, res, "model") if isinstance(res, ModelOutput) else Outcome.error(p, res))
-            for f, sim in self.merges.close(p.lead_id):
+        for pending, res in zip(batch, results, strict=True):
+            done.append(
+                Outcome(pending, res, "model")
+                if isinstance(res, ModelOutput)
+                else Outcome.error(pending, res)
+            )
+            for follower, sim in self.merges.close(pending.lead_id):
                 m.merged.inc()
                 done.append(
-                    Outcome(f, res, "merged", p.req_id, sim)
+                    Outcome(follower, res, "merged", pending.req_id, sim)
                     if isinstance(res, ModelOutput)
-                    else Outcome.error(f, res)
+                    else Outcome.error(follower, res)
                 )
-            if isinstance(res, ModelOutput) and p.cache_key and self.cache is not None:
-                self._store(p, res)
-        await self.replies.send(done, batch_size=len(pend), inference_ms=seconds * 1000)
+            if isinstance(res, ModelOutput) and pending.cache_key and self.cache is not None:
+                self._store(pending, res)
+        await self.replies.send(done, batch_size=len(batch), inference_ms=seconds * 1000)
 
-    def _store(self, p: Pending, res: ModelOutput) -> None:
+    def _store(self, pending: Pending, res: ModelOutput) -> None:
         """Put a model answer in the shared cache; a cache failure never costs the reply."""
-        assert self.cache is not None and p.cache_key is not None
+        assert self.cache is not None and pending.cache_key is not None
         entry = CachedAnswer(
-            answer=res.answer, finish_reason=res.finish_reason, model_version=self.model.version,
-            created_ms=now_ms(), scope=p.scope, text=p.inp.text, request_id=p.req_id,
-            vector=p.vector.tolist() if p.vector is not None and self._semantic_ok(p) else None,
-        )  # fmt: skip
+            answer=res.answer,
+            finish_reason=res.finish_reason,
+            model_version=self.model.version,
+            created_ms=now_ms(),
+            scope=pending.scope,
+            text=pending.inp.text,
+            request_id=pending.req_id,
+            vector=pending.vector.tolist()
+            if pending.vector is not None and self._semantic_ok(pending)
+            else None,
+        )
         try:
-            with event_context(p.event):
-                self.cache.put(p.cache_key, entry)
+            with event_context(pending.event):
+                self.cache.put(pending.cache_key, entry)
         except Exception:
-            log.exception("could not store the answer of %s in the cache", p.req_id)
+            log.exception("could not store the answer of %s in the cache", pending.req_id)
 
 
 def _ewma(old: float, new: float, alpha: float = 0.2) -> float:
@@ -636,13 +651,13 @@ def register(rt: Runtime, inf: Inference) -> None:
 
         def make(prio: str) -> Any:
             async def reader(stream: faust.StreamT) -> None:
-                s = stream.noack()
-                async for event in s.events():
+                records = unacked(stream)
+                async for event in records.events():
                     try:
-                        await inf.admit(prio, s, event)
+                        await inf.admit(prio, records, event)
                     except Exception as exc:
                         log.exception("inference admit failed")
-                        await inf.failed(s, event, exc)
+                        await inf.failed(records, event, exc)
 
             reader.__name__ = f"inference_{prio}"
             return reader

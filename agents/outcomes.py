@@ -9,7 +9,7 @@ order, once its reply is on the broker (docs/architecture.md, "Guarantees").
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import faust
@@ -87,41 +87,61 @@ class ReplyWriter:
         their replies are on the broker. Called by every path that answers a request."""
         tickets: list[Ticket] = []
         futs: list[Awaitable[Any]] = []
-        for o in outcomes:
-            futs.append(await self._reply(o, batch_size, inference_ms))
-            tickets.append(o.pending.ticket)
-            for twin in o.pending.twins:
-                futs.append(await self._reply(Outcome(twin, o.result, o.source, o.merged_into,
-                                                      o.similarity, o.model_version), batch_size, inference_ms))  # fmt: skip
+        for outcome in outcomes:
+            futs.append(await self._reply(outcome, batch_size, inference_ms))
+            tickets.append(outcome.pending.ticket)
+            for twin in outcome.pending.twins:
+                futs.append(await self._reply(replace(outcome, pending=twin), batch_size, inference_ms))
                 tickets.append(twin.ticket)
             if self.on_answered is not None:
-                self.on_answered(o.pending)
+                self.on_answered(outcome.pending)
         self.rt.acker.ack_after(tickets, futs)
 
-    async def _reply(self, o: Outcome, batch_size: int, inference_ms: float | None) -> Awaitable[Any]:
-        p = o.pending
-        w, req = p.work, p.work.request
+    async def _reply(self, outcome: Outcome, batch_size: int, inference_ms: float | None) -> Awaitable[Any]:
+        pending = outcome.pending
+        work, req = pending.work, pending.work.request
         now = now_ms()
         timings = Timings(
-            queued_ms=max(0, now - w.arrival_ms - (inference_ms or 0)), inference_ms=inference_ms,
-            total_ms=max(0, now - w.created_at_ms), batch_size=batch_size or None,
-        )  # fmt: skip
-        res = o.result
+            queued_ms=max(0, now - work.arrival_ms - (inference_ms or 0)),
+            inference_ms=inference_ms,
+            total_ms=max(0, now - work.created_at_ms),
+            batch_size=batch_size or None,
+        )
+        res = outcome.result
         if isinstance(res, ModelOutput):
             reply = InferenceReply(
-                request_id=req.request_id, user_id=req.user_id, status="ok", answer=res.answer,
-                finish_reason=res.finish_reason,  # type: ignore[arg-type]
-                logprobs=res.logprobs if p.inp.logprobs else None, served_from=o.source,  # type: ignore[arg-type]
-                merged_into=o.merged_into, similarity=round(o.similarity, 4) if o.similarity is not None else None,
-                degradation_level=p.level, model_version=o.model_version or self.model.version,
-                priority=w.priority, timings=timings,
-            )  # fmt: skip
+                request_id=req.request_id,
+                user_id=req.user_id,
+                status="ok",
+                answer=res.answer,
+                finish_reason=res.finish_reason,
+                logprobs=res.logprobs if pending.inp.logprobs else None,
+                served_from=outcome.source,
+                merged_into=outcome.merged_into,
+                similarity=round(outcome.similarity, 4) if outcome.similarity is not None else None,
+                degradation_level=pending.level,
+                model_version=outcome.model_version or self.model.version,
+                priority=work.priority,
+                timings=timings,
+            )
             return await self.rt.publish(
-                reply, tenant=req.tenant, reply_to=w.reply_to, created_at_ms=w.created_at_ms, event=p.event
+                reply,
+                tenant=req.tenant,
+                reply_to=work.reply_to,
+                created_at_ms=work.created_at_ms,
+                event=pending.event,
             )
         return await self.rt.error_reply(
-            request_id=req.request_id, user_id=req.user_id, reply_to=w.reply_to, code=res.code,
-            message=res.message, priority=w.priority, retry_after_ms=res.retry_after_ms,
-            created_at_ms=w.created_at_ms, degradation_level=p.level, timings=timings,
-            tenant=req.tenant, event=p.event,
-        )  # fmt: skip
+            request_id=req.request_id,
+            user_id=req.user_id,
+            reply_to=work.reply_to,
+            code=res.code,
+            message=res.message,
+            priority=work.priority,
+            retry_after_ms=res.retry_after_ms,
+            created_at_ms=work.created_at_ms,
+            degradation_level=pending.level,
+            timings=timings,
+            tenant=req.tenant,
+            event=pending.event,
+        )
