@@ -1,0 +1,240 @@
+"""The intake and inference agents running inside the test process, on the real broker.
+
+Each test starts the worker ``surge worker`` would run (tests/inprocess_worker.py) in the test's
+event loop, talks to it through Kafka like any client, and also reads its state directly (its acker,
+its metrics registry): a failure shows the agent's own traceback instead of a subprocess log. The
+echo model answers with the prompt. See docs/architecture.md, "The path of a request" and
+"Guarantees".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from agents.runtime import Runtime
+from pipeline.client import SurgeClient
+from pipeline.compat import refresh_metadata
+from pipeline.devtools.broker import EmbeddedKafka, free_port
+from pipeline.records import DeadLetter, InferenceReply
+from pipeline.terms import PRIORITIES
+from pipeline.topics import TopicNames
+from tests.conftest import Deployment, request
+from tests.inprocess_worker import running_worker
+
+pytestmark = pytest.mark.integration
+
+#: the worker under test: no embedder to load (exact cache only), and deadlines no test here meets
+INPROCESS_ENV = {
+    "dedup_enabled": "false",
+    "semantic_cache_enabled": "false",
+    "rate_limit_enabled": "false",
+    **{f"deadline_{p}_ms": "60000" for p in PRIORITIES},
+}
+#: how long a reply may take
+REPLY_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Running:
+    """A deployment served by one in-process worker, and a started client of its replies topic."""
+
+    deployment: Deployment
+    rt: Runtime
+    client: SurgeClient
+
+    @property
+    def topics(self) -> TopicNames:
+        return self.deployment.topics
+
+    async def client_of(self, reply_topic: str) -> SurgeClient:
+        """Another started client, reading ``reply_topic`` (stopped with the deployment)."""
+        d = self.deployment
+        c = SurgeClient(d.bootstrap, requests_topic=d.topics.requests, reply_topic=reply_topic)
+        d.clients.append(c)
+        await c.start()
+        return c
+
+    async def replies(self, *futures: asyncio.Future[InferenceReply]) -> list[InferenceReply]:
+        """The replies of ``futures``, in order (the client's sends are flushed first)."""
+        await self.client.producer.flush()
+        return list(await asyncio.wait_for(asyncio.gather(*futures), REPLY_TIMEOUT_S))
+
+    async def settled(self) -> None:
+        """Wait until every record the worker took on has its outputs on the broker: nothing sent
+        so far can make it produce another record after this."""
+        assert await self.rt.acker.wait_idle(REPLY_TIMEOUT_S), "the worker still has records in flight"
+
+    async def records(self, topic: str, min_count: int = 0) -> list[Any]:
+        """Every record of ``topic``, from the beginning (waiting for ``min_count`` of them)."""
+        return await self.deployment.read_topic(topic, min_count, timeout_s=REPLY_TIMEOUT_S)
+
+    async def count(self, topic: str) -> int:
+        """How many records ``topic`` holds (its partitions' end minus start offsets): exact once
+        :meth:`settled`, where reading until nothing more comes could stop early."""
+        consumer = AIOKafkaConsumer(bootstrap_servers=self.deployment.bootstrap, enable_auto_commit=False)
+        await consumer.start()
+        try:
+            await refresh_metadata(consumer)
+            tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
+            assert tps, f"no topic {topic}"
+            ends, starts = await consumer.end_offsets(tps), await consumer.beginning_offsets(tps)
+            return sum(ends[tp] - starts[tp] for tp in tps)
+        finally:
+            await consumer.stop()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """A sample of the worker's own metrics registry (0 when never set)."""
+        value = self.rt.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+
+@contextlib.asynccontextmanager
+async def inprocess(
+    kafka: EmbeddedKafka, tmp: Path, reply_suffixes: tuple[str, ...] = (), **env: str
+) -> AsyncIterator[Running]:
+    """An isolated deployment on the session broker, served by one worker in this process;
+    ``reply_suffixes``: extra reply topics ``<prefix>replies.<suffix>`` to create."""
+    d = Deployment(kafka, tmp, web_port=str(free_port()), **{**INPROCESS_ENV, **env})
+    extra = [d.topics.replies + f".{s}" for s in reply_suffixes]
+    async with running_worker(d.settings, extra) as (_, rt):
+        try:
+            yield Running(d, rt, await d.client())
+        finally:
+            await d.close()  # the client's tasks end before the worker checks what it left running
+
+
+async def test_each_priority_class_gets_exactly_one_echo_reply_on_its_own_reply_topic(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    async with inprocess(kafka, tmp_path, reply_suffixes=PRIORITIES) as w:
+        reply_to = {p: f"{w.topics.replies}.{p}" for p in PRIORITIES}
+        sent = {
+            p: request(p, f"user-{p}", f"a {p} question", priority=p, reply_to=reply_to[p])
+            for p in PRIORITIES
+        }
+        # one client per class, each reading only its class's reply topic
+        clients = {p: await w.client_of(reply_to[p]) for p in PRIORITIES}
+        futures = [await clients[p].submit(req) for p, req in sent.items()]
+        for c in clients.values():
+            await c.producer.flush()
+        answered = await asyncio.wait_for(asyncio.gather(*futures), REPLY_TIMEOUT_S)
+        await w.settled()
+        assert [r.request_id for r in answered] == [f"r-{p}" for p in PRIORITIES]
+        for p in PRIORITIES:
+            assert await w.count(reply_to[p]) == 1, f"{p}: not exactly one reply on {reply_to[p]}"
+            records = await w.records(reply_to[p], 1)
+            assert records[0].key == f"user-{p}".encode()
+            reply = InferenceReply.model_validate_json(records[0].value)
+            assert (reply.request_id, reply.status, reply.error) == (f"r-{p}", "ok", None)
+            assert reply.answer == f"a {p} question" and reply.finish_reason == "stop"
+            assert (reply.priority, reply.served_from, reply.model_version) == (p, "model", "echo-1")
+            assert w.metric("surge_requests_total", priority=p, status="ok", served_from="model") == 1
+        assert await w.count(w.topics.replies) == 0, "a reply went to the default replies topic"
+        assert await w.count(w.topics.deadletter) == 0
+
+
+async def test_an_invalid_record_gets_an_error_reply_and_a_dead_letter_and_serving_goes_on(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    async with inprocess(kafka, tmp_path) as w:
+        bad_priority = json.dumps(
+            {"request_id": "bad-prio", "user_id": "alice", "prompt": "hi", "priority": "urgent"}
+        )
+        bad_reply_to = json.dumps(
+            {
+                "request_id": "bad-to",
+                "user_id": "alice",
+                "prompt": "hi",
+                "reply_to": w.topics.work("realtime"),
+            }
+        )
+        not_json = b"{not json"
+        errors = [w.client.expect("bad-prio"), w.client.expect("bad-to")]
+        for raw in (bad_priority.encode(), bad_reply_to.encode(), not_json):
+            await w.client.send_raw(b"alice", raw)
+        good = await w.client.submit(request("good", "alice", "still served"))
+        prio_error, reply_to_error, ok = await w.replies(*errors, good)
+        await w.settled()
+
+        assert ok.status == "ok" and ok.answer == "still served"
+        for reply in (prio_error, reply_to_error):
+            assert reply.status == "error" and reply.error is not None and reply.answer is None
+            assert reply.error.code == "invalid_request", reply.error
+        assert prio_error.error is not None and "priority" in prio_error.error.message
+        assert reply_to_error.error is not None and "reply_to" in reply_to_error.error.message
+        # the error went to the default replies topic, never to the internal topic the record named
+        assert await w.count(w.topics.work("realtime")) == 0
+        assert await w.count(w.topics.replies) == 3, "one reply per readable record"
+        ids = [
+            InferenceReply.model_validate_json(r.value).request_id
+            for r in await w.records(w.topics.replies, 3)
+        ]
+        assert sorted(ids) == ["bad-prio", "bad-to", "r-good"]
+        assert await w.count(w.topics.deadletter) == 3
+
+        letters = [DeadLetter.model_validate_json(r.value) for r in await w.records(w.topics.deadletter, 3)]
+        assert [base64.b64decode(dl.raw_b64) for dl in letters] == [
+            bad_priority.encode(),
+            bad_reply_to.encode(),
+            not_json,
+        ]
+        for dl in letters:
+            assert (dl.reason, dl.source_topic, dl.key_b64) == (
+                "invalid_request",
+                w.topics.requests,
+                base64.b64encode(b"alice").decode(),
+            )
+        assert w.metric("surge_deadletter_total", reason="invalid_request") == 3
+
+
+async def test_a_redelivered_request_gets_the_recorded_reply_byte_for_byte(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    async with inprocess(kafka, tmp_path) as w:
+        req = request("again", "bob", "answer me once", priority="batch")
+        (first,) = await w.replies(await w.client.submit(req))
+        assert first.status == "ok" and first.served_from == "model" and first.answer == "answer me once"
+        (second,) = await w.replies(await w.client.submit(req))
+        await w.settled()
+
+        assert second == first
+        assert await w.count(w.topics.replies) == 2
+        records = await w.records(w.topics.replies, 2)
+        assert records[0].value == records[1].value, "a repeat is the same bytes"
+        assert w.metric("surge_replies_repeated_total") == 1
+        # the model answered once: the repeat came from the reply book, not from the cache or a batch
+        assert w.metric("surge_requests_total", priority="batch", status="ok", served_from="model") == 1
+        assert w.metric("surge_batch_size_count") == 1
+
+
+async def test_a_user_over_its_rate_limit_gets_the_rate_limit_error(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    async with inprocess(
+        kafka, tmp_path, rate_limit_enabled="true", user_burst_free="2", user_rate_per_s_free="0.001"
+    ) as w:
+        futures = [
+            await w.client.submit(request(i, "greedy", f"question {i}", tier="free")) for i in range(3)
+        ]
+        futures.append(await w.client.submit(request("other", "modest", "my first question", tier="free")))
+        first, second, third, other = await w.replies(*futures)
+        await w.settled()
+
+        assert (first.status, second.status, other.status) == ("ok", "ok", "ok")
+        assert third.status == "error" and third.error is not None and third.answer is None
+        assert third.error.code == "rate_limited", third.error
+        assert third.error.retry_after_ms is not None and third.error.retry_after_ms > 0
+        assert third.priority == "interactive"
+        assert w.metric("surge_rate_limited_total", scope="user") == 1
+        assert await w.count(w.topics.replies) == 4, "one reply per request"
+        assert await w.count(w.topics.deadletter) == 0, "a refusal is no dead letter"
