@@ -57,7 +57,14 @@ class Embedder:
         return np.asarray(vecs, dtype=np.float32)
 
 
-@lru_cache(maxsize=4)
 def shared_embedder(path: str | None = None) -> Embedder:
-    """One embedder per model folder per process."""
+    """One embedder per model folder per process: the pipeline and the FAQ answerer must get the same
+    object, or the answerer cannot take the pipeline's vectors and embeds every request again.
+    ``None`` means the default folder, so ``shared_embedder()`` and ``shared_embedder(None)`` (what a
+    worker asks with ``SURGE_EMBEDDER_PATH`` unset) are one embedder."""
+    return _embedder_of(path or default_embedder_path())
+
+
+@lru_cache(maxsize=4)
+def _embedder_of(path: str) -> Embedder:
     return Embedder(path)

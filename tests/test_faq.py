@@ -141,3 +141,44 @@ def test_evaluate_reports_accuracy_on_a_csv(faq: FAQAnswerer, tmp_path: Path) ->
     assert report["n"] == 3
     assert report["n_correct"] == 2
     assert report["accuracy"] == pytest.approx(2 / 3, abs=1e-4)
+
+
+def test_the_worker_embeds_each_request_once_with_the_default_settings() -> None:
+    """What ``surge worker`` builds with SURGE_MODEL=faq and no SURGE_EMBEDDER_PATH: the pipeline's
+    embedder and the answerer's are one object, so the answerer takes the pipeline's vectors (issue
+    found under load: ``shared_embedder()`` and ``shared_embedder(None)`` were two MiniLM copies, and
+    every request was embedded twice)."""
+    from models.embedder import default_embedder_path, shared_embedder
+    from models.registry import build_model
+    from pipeline.settings import Settings
+
+    s = Settings.load(model="faq")
+    assert s.embedder_path is None
+    model = build_model(s)
+    model.load()
+    pipeline_embedder = shared_embedder(s.embedder_path)  # as agents/worker.py asks for it
+    assert pipeline_embedder is shared_embedder() is shared_embedder(default_embedder_path())
+    assert model.accepts_vectors_from(pipeline_embedder)
+
+    # a batch that carries the pipeline's vectors is classified without embedding again
+    calls: list[int] = []
+    embed = pipeline_embedder.embed
+
+    def counting(texts: list[str]) -> np.ndarray:
+        calls.append(len(texts))
+        return embed(texts)
+
+    questions = ["how do I activate my new card", "my card payment was declined"]
+    vectors = embed(questions)
+    pipeline_embedder.embed = counting  # type: ignore[method-assign]
+    try:
+        given = [
+            ModelInput((ChatMessage("user", q),), vector=v) for q, v in zip(questions, vectors, strict=True)
+        ]
+        with_vectors = model.infer(given)
+        assert calls == []
+        without = model.infer([ModelInput((ChatMessage("user", q),)) for q in questions])
+        assert calls == [2]
+    finally:
+        del pipeline_embedder.embed
+    assert [o.answer for o in with_vectors] == [o.answer for o in without]
