@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -266,10 +268,26 @@ def test_plots(tmp_path) -> None:  # type: ignore[no-untyped-def]
     keys = [("u", "r1"), ("u", "r2")]
     rep = compare.compare_requests(keys, {keys[0]: _ok("a")}, {keys[0]: _ok("b"), keys[1]: _ok("c")},
                                    replay_latency_ms={keys[0]: 3.0})  # fmt: skip
-    assert plot_report(rep, tmp_path / "r.png").stat().st_size > 10_000
+    r_png = plot_report(rep, tmp_path / "r.png")
+    assert r_png is not None and r_png.stat().st_size > 10_000
     rrep = compare.compare_risk(["e"], {"e": _dec("approve", 0.1)}, {"e": _dec("review", 0.7)})
-    assert plot_report(rrep, tmp_path / "k.png").stat().st_size > 10_000
+    k_png = plot_report(rrep, tmp_path / "k.png")
+    assert k_png is not None and k_png.stat().st_size > 10_000
     assert "_series" not in compare.public(rep)
+
+
+def test_a_replay_without_matplotlib_writes_no_plot_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """matplotlib is the ``plot`` extra, left out of worker images: the report goes on without a PNG."""
+    from pipeline.replay.plot import plot_report
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    keys = [("u", "r1")]
+    rep = compare.compare_requests(keys, {keys[0]: _ok("a")}, {keys[0]: _ok("b")})
+    assert plot_report(rep, tmp_path / "r.png") is None
+    assert not (tmp_path / "r.png").exists()
+    assert "surge[plot]" in caplog.text
 
 
 def test_the_replay_starts_from_the_live_settings() -> None:

@@ -4,14 +4,22 @@ score deltas) and latency old against new."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
 
-def plot_report(report: Mapping[str, Any], path: str | Path, title: str = "") -> Path:
-    """Write the report's four panels to ``path``; returns it."""
-    import matplotlib
+
+def plot_report(report: Mapping[str, Any], path: str | Path, title: str = "") -> Path | None:
+    """Write the report's four panels to ``path``; returns it, or None without matplotlib (an extra,
+    ``surge[plot]``, so that worker images stay lean: the JSON report has every number)."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        log.warning("no plot of the report: matplotlib is not installed (pip install 'surge[plot]')")
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

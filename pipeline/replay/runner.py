@@ -117,7 +117,7 @@ class ReplayOptions(CandidateOptions):
 class ReplayResult:
     report: dict[str, Any]
     report_path: Path
-    plot_path: Path
+    plot_path: Path | None
     names: ReplayNames
     #: the replay's replies (or decisions) by key, as dicts
     replies: dict[Any, dict[str, Any]]
