@@ -31,19 +31,18 @@ from pydantic import ValidationError
 
 from agents.acks import Ticket
 from agents.exceptions import WorkItemError
-from agents.intake import scope_of
 from agents.outcomes import Outcome, Pending, ReplyWriter
 from agents.runtime import Runtime, event_context, unacked
 from models.base import ChatMessage, ModelBackend, ModelInput, ModelOutput
 from models.embedder import Embedder
 from pipeline.batcher import AsyncBatcher, BatchObserver
 from pipeline.cache import AnswerCache, CachedAnswer
-from pipeline.dedup import exact_key, is_embeddable, normalize
+from pipeline.dedup import is_embeddable
 from pipeline.degrade import DegradationController, DegradePlan, MissRateWindow
 from pipeline.exceptions import DeadlineExceededError, SurgeError
 from pipeline.inference_config import degrade_config, scheduler_config
 from pipeline.isolation import RetryPolicy, run_isolated
-from pipeline.keys import reply_key, source_key
+from pipeline.keys import cache_key, reply_key, scope_of, source_key
 from pipeline.merge import MergeRegistry
 from pipeline.pairs import decision_from_settings
 from pipeline.records import WorkItem, now_ms
@@ -305,7 +304,7 @@ class Inference:
         pending.scope = scope_of(
             req, s.served_model, self.model.version, degrade_plan.max_tokens, degrade_plan.logprobs
         )
-        pending.cache_key = exact_key(normalize(pending.inp.text), pending.scope) if req.cache else None
+        pending.cache_key = cache_key(pending.inp.text, pending.scope) if req.cache else None
         return degrade_plan
 
     def _answered(self, pending: Pending) -> None:

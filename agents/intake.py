@@ -21,7 +21,7 @@ from pipeline.app import table_store_options
 from pipeline.cache import AnswerCache
 from pipeline.compat import scan_partition
 from pipeline.exceptions import DeadlineExceededError, InvalidRequestError, RateLimitedError
-from pipeline.keys import cache_key, request_scope
+from pipeline.keys import cache_key, scope_of
 from pipeline.ratelimit import RateLimitConfig, RateLimiter, SweepSchedule, TierLimits
 from pipeline.records import (
     InferenceReply,
@@ -51,25 +51,6 @@ def rate_limit_config(s: Settings) -> RateLimitConfig:
             "premium": TierLimits(s.user_rate_per_s_premium, s.user_burst_premium),
         },
         tenant=TierLimits(s.tenant_rate_per_s, s.tenant_burst),
-    )
-
-
-def scope_of(
-    req: InferenceRequest,
-    model: str,
-    version: str,
-    max_tokens: int | None = None,
-    logprobs: bool | None = None,
-) -> str:
-    """The cache and merge scope of a request (intake and inference both call this)."""
-    return request_scope(
-        tenant=req.tenant,
-        model=model,
-        model_version=version,
-        max_tokens=req.max_tokens if max_tokens is None else max_tokens,
-        temperature=req.temperature,
-        logprobs=req.logprobs if logprobs is None else logprobs,
-        context=req.context(),
     )
 
 

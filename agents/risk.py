@@ -30,7 +30,7 @@ from agents.lifecycle import Lifecycle, on_partitions, serve_pages
 from agents.runtime import Runtime, event_context, unacked
 from pipeline.admin import ensure_topics
 from pipeline.app import create_app, table_store_options
-from pipeline.compat import refresh_metadata
+from pipeline.client import partitions_of
 from pipeline.kafka_security import client_options
 from pipeline.metrics import create_metrics
 from pipeline.records import now_ms
@@ -219,14 +219,8 @@ class RiskAgents:
         )
         await consumer.start()
         try:
-            parts: set[int] = set()
-            for _ in range(100):
-                parts = consumer.partitions_for_topic(topic) or set()
-                if parts:
-                    break
-                await refresh_metadata(consumer)
-                await asyncio.sleep(0.1)
-            tps = [TopicPartition(topic, p) for p in sorted(parts)]
+            parts = await partitions_of(consumer, topic, tries=100)
+            tps = [TopicPartition(topic, p) for p in parts]
             consumer.assign(tps)
             await consumer.seek_to_beginning(*tps)
             end = await consumer.end_offsets(tps)

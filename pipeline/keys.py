@@ -18,8 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pipeline.dedup import exact_key, normalize
+
+if TYPE_CHECKING:
+    from pipeline.records import InferenceRequest
 
 
 def request_scope(
@@ -46,6 +50,27 @@ def request_scope(
         ensure_ascii=False,
     )
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+
+def scope_of(
+    req: InferenceRequest,
+    model: str,
+    version: str,
+    max_tokens: int | None = None,
+    logprobs: bool | None = None,
+) -> str:
+    """The cache and merge scope of a request, the one function intake and inference both call:
+    ``model`` is the served model name (``Settings.served_model``, never a folder path), ``version``
+    the model's version; ``max_tokens``/``logprobs`` when degradation changed what is asked."""
+    return request_scope(
+        tenant=req.tenant,
+        model=model,
+        model_version=version,
+        max_tokens=req.max_tokens if max_tokens is None else max_tokens,
+        temperature=req.temperature,
+        logprobs=req.logprobs if logprobs is None else logprobs,
+        context=req.context(),
+    )
 
 
 def cache_key(text: str, scope: str) -> str:

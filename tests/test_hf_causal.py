@@ -162,3 +162,27 @@ def test_infer_before_load_is_a_model_error(tiny_dir: Path) -> None:
 def test_unknown_dtype_is_refused(tiny_dir: Path) -> None:
     with pytest.raises(ModelLoadError, match="dtype"):
         HFCausalLM(tiny_dir, dtype="float8")
+
+
+def test_intake_and_inference_key_an_hf_answer_alike(tiny_dir: Path) -> None:
+    """With the ``hf`` backend the intake keys its exact cache before the model is loaded (by
+    ``peek_version``) and inference stores answers after (by ``version``), both through
+    ``pipeline.keys.scope_of`` with the served name (not the folder path): the keys must agree, or
+    the intake's cache never hits what inference stored."""
+    from models.registry import build_model
+    from pipeline.keys import cache_key, scope_of
+    from pipeline.records import InferenceRequest
+    from pipeline.settings import Settings
+
+    s = Settings.load(model="hf", model_path=str(tiny_dir))
+    req = InferenceRequest.model_validate(
+        {"request_id": "r1", "user_id": "u1", "prompt": "How do I freeze my card?", "max_tokens": 8}
+    )
+    intake_model = build_model(s)  # the intake never loads it
+    intake_key = cache_key(req.text(), scope_of(req, s.served_model, intake_model.peek_version()))
+    served = build_model(s)
+    served.load()
+    inp = ModelInput(tuple(ChatMessage(m.role, m.content) for m in req.chat()), max_tokens=req.max_tokens)
+    inference_key = cache_key(inp.text, scope_of(req, s.served_model, served.version))
+    assert intake_key == inference_key
+    assert str(tiny_dir) not in s.served_model  # a folder path would tie answers to where it is mounted

@@ -15,8 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pipeline.client import SurgeClient
-from pipeline.compat import refresh_metadata
+from pipeline.client import SurgeClient, partitions_of
 from pipeline.devtools.procs import WorkerProcess
 from pipeline.metrics import scrape
 from pipeline.settings import Settings
@@ -133,13 +132,7 @@ class Deployment:
         consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
         await consumer.start()
         try:
-            parts = consumer.partitions_for_topic(topic) or set()
-            for _ in range(50):
-                if parts:
-                    break
-                await refresh_metadata(consumer)
-                parts = consumer.partitions_for_topic(topic) or set()
-                await asyncio.sleep(0.1)
+            parts = await partitions_of(consumer, topic, tries=50)
             tps = [TopicPartition(topic, p) for p in parts]
             consumer.assign(tps)
             await consumer.seek_to_beginning(*tps)

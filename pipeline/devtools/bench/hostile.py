@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.client import partitions_of
 from pipeline.devtools.bench.background import plain_consumer
 from pipeline.devtools.bench.common import (
     BenchDeployment,
@@ -37,7 +38,6 @@ from pipeline.devtools.bench.common import (
 )
 from pipeline.devtools.bench.report import figure, report
 from pipeline.devtools.bench.surge import tree_rss_kb
-from pipeline.replay.runner import partitions_of
 from pipeline.settings import Settings
 
 #: the cache bound of the run (entries); the default (100,000) would take the whole run to reach

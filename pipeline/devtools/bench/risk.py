@@ -30,6 +30,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from pipeline.client import partitions_of
 from pipeline.devtools.bench.background import Background, plain_consumer
 from pipeline.devtools.bench.common import (
     BENCH_DIR,
@@ -44,7 +45,6 @@ from pipeline.devtools.bench.common import (
 )
 from pipeline.devtools.bench.report import finish
 from pipeline.devtools.bench.risk_check import check_decisions, read_arrivals
-from pipeline.replay.runner import partitions_of
 from pipeline.risk.records import RiskDecision
 from pipeline.risk.simulate import DAY_MS, SimConfig, as_event, disorder, simulate
 from pipeline.riskops import RISK_READY

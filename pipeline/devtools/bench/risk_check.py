@@ -16,8 +16,8 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
+from pipeline.client import partitions_of
 from pipeline.devtools.bench.background import plain_consumer
-from pipeline.replay.runner import partitions_of
 from pipeline.risk.features import NAMES, FeatureConfig
 from pipeline.risk.records import ENTITY_KINDS, InvalidRiskEventError, RiskDecision, decode_event
 from pipeline.risk.reference import compare, recompute

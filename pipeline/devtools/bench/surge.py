@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.client import partitions_of
 from pipeline.compat import refresh_metadata
 from pipeline.dedup import normalize
 from pipeline.devtools.bench.background import Background, plain_consumer
@@ -60,7 +61,6 @@ from pipeline.devtools.bench.common import (
 )
 from pipeline.devtools.bench.report import figure, report
 from pipeline.kafka_security import client_options
-from pipeline.replay.runner import partitions_of
 from pipeline.settings import PRIORITIES, Settings
 from pipeline.topics import TopicNames
 
