@@ -202,8 +202,19 @@ def test_gateway_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
 def _sent(rid: str, priority: str = "interactive", tier: str = "standard", acked: bool | None = True) -> Any:
     from pipeline.devtools.bench.surge import Sent
 
-    return Sent(rid, 0, priority, tier, "default", "unique", created_ms=1_000_000, lag_ms=0.0, step="s",
-                partition=0, acked=acked)  # fmt: skip
+    return Sent(
+        rid,
+        0,
+        priority,
+        tier,
+        "default",
+        "unique",
+        created_ms=1_000_000,
+        lag_ms=0.0,
+        step="s",
+        partition=0,
+        acked=acked,
+    )
 
 
 def _seen(rid: str, after_ms: float, **reply: Any) -> Any:
@@ -298,8 +309,10 @@ def test_surge_class_summary_counts_each_kind_of_miss_once() -> None:
     by_rid["r0"] += [_seen("r0", 100, status="ok", served_from="model")]
     by_rid["r1"] += [_seen("r1", 900, status="ok", served_from="cache")]  # late
     by_rid["r2"] += [_seen("r2", 50, status="error", error={"code": "deadline_exceeded"})]
-    by_rid["r3"] += [_seen("r3", 80, status="ok", served_from="template", finish_reason="template"),
-                     _seen("r3", 2000, status="ok", served_from="template", finish_reason="template")]  # fmt: skip
+    by_rid["r3"] += [
+        _seen("r3", 80, status="ok", served_from="template", finish_reason="template"),
+        _seen("r3", 2000, status="ok", served_from="template", finish_reason="template"),
+    ]
     c = class_summary(recs, by_rid, 500)  # r4: no reply
     counts = [c[k] for k in ("offered", "produce_failed", "answered", "missing", "duplicated")]
     assert counts == [6, 1, 4, 1, 1]

@@ -37,9 +37,23 @@ def test_worker_role(role: str) -> None:
 
 def test_send_flags() -> None:
     args = parse(
-        "send", "how do I top up my card", "--user", "u7", "--tenant", "acme", "--tier", "premium",
-        "--priority", "realtime", "--max-tokens", "64", "--request-id", "r-1", "--timeout-s", "2.5",
-    )  # fmt: skip
+        "send",
+        "how do I top up my card",
+        "--user",
+        "u7",
+        "--tenant",
+        "acme",
+        "--tier",
+        "premium",
+        "--priority",
+        "realtime",
+        "--max-tokens",
+        "64",
+        "--request-id",
+        "r-1",
+        "--timeout-s",
+        "2.5",
+    )
     assert args.prompt == "how do I top up my card"
     assert (args.user, args.tenant, args.tier, args.priority) == ("u7", "acme", "premium", "realtime")
     assert (args.max_tokens, args.request_id, args.timeout_s) == (64, "r-1", 2.5)

@@ -147,10 +147,39 @@ def test_guard_allows_paraphrases(a: str, b: str) -> None:
 
 
 _GUARD_WORDS = [
-    "not", "never", "don't", "lock", "unlock", "increase", "decrease", "on", "off", "from", "to",
-    "savings", "checking", "50", "500", "12.50", "$", "€", "EUR", "June", "Monday", "****1234",
-    "GB29NWBK60161331926819", "card", "my", "please", "不", "冻结", "解冻", "五", "limit", "1st",
-]  # fmt: skip
+    "not",
+    "never",
+    "don't",
+    "lock",
+    "unlock",
+    "increase",
+    "decrease",
+    "on",
+    "off",
+    "from",
+    "to",
+    "savings",
+    "checking",
+    "50",
+    "500",
+    "12.50",
+    "$",
+    "€",
+    "EUR",
+    "June",
+    "Monday",
+    "****1234",
+    "GB29NWBK60161331926819",
+    "card",
+    "my",
+    "please",
+    "不",
+    "冻结",
+    "解冻",
+    "五",
+    "limit",
+    "1st",
+]
 
 
 @settings(max_examples=400, deadline=None)
@@ -425,12 +454,16 @@ def test_real_embedder_never_merges_opposite_pairs(embed) -> None:
 @needs_minilm
 def test_real_embedder_clusters_paraphrase_groups(embed) -> None:
     groups = [
-        ["How do I reset my PIN?", "how do i reset my pin", "How can I reset my PIN?",
-         "Hi, how do I reset my PIN please"],
+        [
+            "How do I reset my PIN?",
+            "how do i reset my pin",
+            "How can I reset my PIN?",
+            "Hi, how do I reset my PIN please",
+        ],
         ["My card has not arrived yet", "My card hasn't arrived yet", "my card has not arrived yet!"],
         ["What is the exchange rate for euros?", "What's the exchange rate for euros?"],
         ["Lock my card", "unlock my card"],
-    ]  # fmt: skip
+    ]
     texts = [t for g in groups for t in g]
     group_of = [gi for gi, g in enumerate(groups) for _ in g]
     out = cluster(embed(texts), texts, ["s"] * len(texts), DEFAULT_SEMANTIC_THRESHOLD, ids=texts)

@@ -429,8 +429,15 @@ def test_every_surge_variable_deploy_sets_is_a_setting() -> None:
 def test_the_deploy_readme_says_how_to_reach_a_secured_cluster() -> None:
     text = (DEPLOY_DIR / "README.md").read_text(encoding="utf-8")
     section = text.split("## A secured Kafka cluster", 1)[1].split("\n## ", 1)[0]
-    for needed in ("SASL_SSL", "SURGE_KAFKA_SASL_MECHANISM", "SURGE_KAFKA_SSL_CAFILE", "SURGE_KAFKA_SSL_CERTFILE",
-                   "SURGE_KAFKA_SSL_KEYFILE", "surge-kafka-tls", "--command-config"):  # fmt: skip
+    for needed in (
+        "SASL_SSL",
+        "SURGE_KAFKA_SASL_MECHANISM",
+        "SURGE_KAFKA_SSL_CAFILE",
+        "SURGE_KAFKA_SSL_CERTFILE",
+        "SURGE_KAFKA_SSL_KEYFILE",
+        "surge-kafka-tls",
+        "--command-config",
+    ):
         assert needed in section, needed
 
 

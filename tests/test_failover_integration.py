@@ -18,9 +18,13 @@ from tests.conftest import Deployment, request
 pytestmark = pytest.mark.integration
 
 ECHO = {
-    "model": "echo", "rate_limit_enabled": "false", "deadline_realtime_ms": "60000",
-    "deadline_interactive_ms": "60000", "deadline_batch_ms": "120000", "deadline_offline_ms": "120000",
-}  # fmt: skip
+    "model": "echo",
+    "rate_limit_enabled": "false",
+    "deadline_realtime_ms": "60000",
+    "deadline_interactive_ms": "60000",
+    "deadline_batch_ms": "120000",
+    "deadline_offline_ms": "120000",
+}
 
 
 def repeats(replies: list[Any]) -> tuple[int, list[str]]:

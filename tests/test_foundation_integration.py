@@ -27,9 +27,14 @@ async def gather_replies(futs: list, timeout_s: float = 90.0) -> list:
 
 async def test_500_requests_from_20_users_in_all_four_classes_each_answered_once_in_order(deployment) -> None:
     d = deployment(
-        model="echo", cache_enabled="false", dedup_enabled="false", rate_limit_enabled="false",
-        deadline_realtime_ms="60000", deadline_interactive_ms="60000", deadline_batch_ms="60000",
-    )  # fmt: skip
+        model="echo",
+        cache_enabled="false",
+        dedup_enabled="false",
+        rate_limit_enabled="false",
+        deadline_realtime_ms="60000",
+        deadline_interactive_ms="60000",
+        deadline_batch_ms="60000",
+    )
     d.worker()
     c = await d.client()
     futs = []
@@ -110,9 +115,14 @@ async def test_bad_inputs_get_error_replies_and_dead_letters_while_serving(deplo
 
 async def test_sigkill_mid_stream_during_merges_loses_nothing_and_repeats_are_identical(deployment) -> None:
     d = deployment(
-        model="echo", echo_delay_ms="20", rate_limit_enabled="false", max_batch_size="4",
-        base_batch_size="2", deadline_batch_ms="120000", deadline_offline_ms="120000",
-    )  # fmt: skip
+        model="echo",
+        echo_delay_ms="20",
+        rate_limit_enabled="false",
+        max_batch_size="4",
+        base_batch_size="2",
+        deadline_batch_ms="120000",
+        deadline_offline_ms="120000",
+    )
     w = d.worker()
     c = await d.client()
     # repeated questions: merges, cache hits and model calls are all in flight at the kill
@@ -196,16 +206,34 @@ async def test_surge_send_and_tail_from_the_command_line(deployment) -> None:
     d.worker()
     env = {**os.environ, **d.env}
     tail = subprocess.Popen(  # noqa: ASYNC220 - starting it does not block; its output is read in a thread
-        [sys.executable, "-m", "pipeline.cli", "tail", "--from-beginning"], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "pipeline.cli", "tail", "--from-beginning"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         sent = await asyncio.to_thread(
             subprocess.run,
-            [sys.executable, "-m", "pipeline.cli", "send", "how do I close my account", "--user", "cli-1",
-             "--request-id", "cli-req-1", "--priority", "realtime"],
-            env=env, capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "pipeline.cli",
+                "send",
+                "how do I close my account",
+                "--user",
+                "cli-1",
+                "--request-id",
+                "cli-req-1",
+                "--priority",
+                "realtime",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert sent.returncode == 0, sent.stderr
         reply = json.loads(sent.stdout)
         assert reply["request_id"] == "cli-req-1" and reply["status"] == "ok"

@@ -54,9 +54,12 @@ TOP_KEY = ApiKey(key="k-top", tenant="acme", tier="premium", max_priority="realt
 def build(body: Any, headers: dict[str, str] | None = None, **kw: Any) -> ChatCall:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     args: dict[str, Any] = {
-        "settings": SETTINGS, "request_id": "rid-1", "key": TOP_KEY,
-        "reply_to": "surge.replies.gateway-x", "created_at_ms": 1_000,
-    }  # fmt: skip
+        "settings": SETTINGS,
+        "request_id": "rid-1",
+        "key": TOP_KEY,
+        "reply_to": "surge.replies.gateway-x",
+        "created_at_ms": 1_000,
+    }
     args.update(kw)
     return build_request(raw, headers or {}, **args)
 
@@ -116,16 +119,36 @@ def test_user_falls_back_to_the_key_then_anonymous_and_headers_override_body() -
         ({"messages": []}, {}, "messages is required"),
         ({"messages": [{"role": "robot", "content": "x"}]}, {}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, {}, "only text parts"),
-        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, {}, "max_tokens must be 1-4096, got 0"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+            {},
+            "max_tokens must be 1-4096, got 0",
+        ),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}, {}, "got 5000"),
-        ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, {}, "temperature must be a number 0-2"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "temperature": 3},
+            {},
+            "temperature must be a number 0-2",
+        ),
         ({"messages": [{"role": "user", "content": "x"}], "n": 2}, {}, "n must be 1"),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, {}, "tools is not"),
-        ({"messages": [{"role": "user", "content": "x"}]}, {"X-Surge-Priority": "urgent"}, "X-Surge-Priority"),
-        ({"messages": [{"role": "user", "content": "x"}]}, {"X-Surge-Deadline-Ms": "-5"}, "X-Surge-Deadline-Ms"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            {},
+            "tools is not",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}]},
+            {"X-Surge-Priority": "urgent"},
+            "X-Surge-Priority",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}]},
+            {"X-Surge-Deadline-Ms": "-5"},
+            "X-Surge-Deadline-Ms",
+        ),
         ({"messages": [{"role": "user", "content": "x" * 1001}]}, {}, "the limit is 1000 bytes"),
     ],
-)  # fmt: skip
+)
 def test_bad_bodies_are_refused_with_a_message_naming_the_field(
     body: Any, headers: dict, needle: str
 ) -> None:
@@ -151,9 +174,15 @@ def test_stream_chunks_are_role_content_finish_usage() -> None:
         }
     )
     reply = InferenceReply(
-        request_id="rid-1", user_id="u", status="ok", answer="one two three", finish_reason="template",
-        served_from="template", degradation_level=3, timings=Timings(total_ms=5),
-    )  # fmt: skip
+        request_id="rid-1",
+        user_id="u",
+        status="ok",
+        answer="one two three",
+        finish_reason="template",
+        served_from="template",
+        degradation_level=3,
+        timings=Timings(total_ms=5),
+    )
     chunks = list(stream_chunks(call, reply, 1.0))
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:-1])
@@ -168,9 +197,14 @@ def test_stream_chunks_are_role_content_finish_usage() -> None:
 
 
 def test_error_codes_map_to_http_statuses() -> None:
-    assert [error_status(c) for c in ("invalid_request", "rate_limited", "overloaded", "deadline_exceeded")] == [
-        400, 429, 503, 504,
-    ]  # fmt: skip
+    assert [
+        error_status(c) for c in ("invalid_request", "rate_limited", "overloaded", "deadline_exceeded")
+    ] == [
+        400,
+        429,
+        503,
+        504,
+    ]
     assert error_status("model_error") == error_status("internal") == error_status("whatever") == 500
     assert (retry_after_s(1), retry_after_s(1000), retry_after_s(9_001), retry_after_s(None)) == (
         1,
@@ -192,9 +226,12 @@ class GatewayProcess:
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pipeline.cli", "gateway", "--port", str(self.port)],
-                env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
+                env={**os.environ, **env, "PYTHONUNBUFFERED": "1"},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
@@ -259,15 +296,26 @@ class Stack:
 def stack(kafka: EmbeddedKafka, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("gateway")
     main = Deployment(
-        kafka, tmp / "main", degrade_enabled="false", dedup_enabled="false",
-        user_rate_per_s_free="0.1", user_burst_free="1",
-        deadline_interactive_ms="30000", deadline_batch_ms="30000",
-    )  # fmt: skip
+        kafka,
+        tmp / "main",
+        degrade_enabled="false",
+        dedup_enabled="false",
+        user_rate_per_s_free="0.1",
+        user_burst_free="1",
+        deadline_interactive_ms="30000",
+        deadline_batch_ms="30000",
+    )
     slow = Deployment(
-        kafka, tmp / "slow", degrade_enabled="false", cache_enabled="false",
-        rate_limit_enabled="false", queue_limit_per_class="1", echo_delay_ms="500",
-        deadline_interactive_ms="30000", deadline_batch_ms="30000",
-    )  # fmt: skip
+        kafka,
+        tmp / "slow",
+        degrade_enabled="false",
+        cache_enabled="false",
+        rate_limit_enabled="false",
+        queue_limit_per_class="1",
+        echo_delay_ms="500",
+        deadline_interactive_ms="30000",
+        deadline_batch_ms="30000",
+    )
     gws: list[GatewayProcess] = []
     try:
         for d in (main, slow):
@@ -311,9 +359,12 @@ def test_openai_client_gets_the_answer_usage_and_surge_extension(stack: Stack) -
     assert again.model_extra["surge"]["served_from"] == "cache"  # type: ignore[index]
 
     cut = client.chat.completions.create(
-        model="echo", messages=[{"role": "user", "content": "one two three four five"}], max_tokens=2,
-        user="gw-answer", extra_headers={"X-Surge-Priority": "batch"},
-    )  # fmt: skip
+        model="echo",
+        messages=[{"role": "user", "content": "one two three four five"}],
+        max_tokens=2,
+        user="gw-answer",
+        extra_headers={"X-Surge-Priority": "batch"},
+    )
     assert cut.choices[0].message.content == "one two" and cut.choices[0].finish_reason == "length"
     assert cut.model_extra["surge"]["priority"] == "batch"  # type: ignore[index]
 
@@ -322,9 +373,12 @@ def test_openai_client_gets_the_answer_usage_and_surge_extension(stack: Stack) -
 def test_streaming_sends_role_content_finish_and_done(stack: Stack) -> None:
     prompt = "please list every step needed to order a replacement debit card by post"
     stream = stack.client().chat.completions.create(
-        model="echo", messages=[{"role": "user", "content": prompt}], user="gw-stream", stream=True,
+        model="echo",
+        messages=[{"role": "user", "content": prompt}],
+        user="gw-stream",
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -396,9 +450,11 @@ def test_429_with_retry_after_when_the_user_bucket_is_empty(stack: Stack) -> Non
 def test_504_when_the_deadline_passes_before_inference(stack: Stack) -> None:
     with pytest.raises(openai.APIStatusError) as info:
         stack.client().chat.completions.create(
-            model="echo", messages=[{"role": "user", "content": "an impatient question"}], user="gw-late",
+            model="echo",
+            messages=[{"role": "user", "content": "an impatient question"}],
+            user="gw-late",
             extra_headers={"X-Surge-Deadline-Ms": "1"},
-        )  # fmt: skip
+        )
     assert info.value.status_code == 504 and info.value.code == "deadline_exceeded"
     assert "missed its deadline of 1 ms" in info.value.message
 
@@ -410,9 +466,10 @@ async def test_503_when_the_queue_is_full(stack: Stack) -> None:
     async def ask(i: int) -> int:
         try:
             await client.chat.completions.create(
-                model="echo", messages=[{"role": "user", "content": f"distinct question {i} about cards"}],
+                model="echo",
+                messages=[{"role": "user", "content": f"distinct question {i} about cards"}],
                 user=f"gw-burst-{i}",
-            )  # fmt: skip
+            )
             return 200
         except openai.APIStatusError as exc:
             assert exc.code == "overloaded" and exc.response.headers["Retry-After"] == "1"

@@ -131,9 +131,17 @@ def test_hard_conflict_leaves_a_one_sided_action_to_the_classifier() -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.sampled_from(["good", "bad", "safe", "unsafe", "高", "低", "多少", "非常", "not", "card", "cheaper"]),
-                max_size=6), st.lists(st.sampled_from(["good", "bad", "safe", "unsafe", "高", "低", "多少", "非常", "card"]),
-                max_size=6))  # fmt: skip
+@given(
+    st.lists(
+        st.sampled_from(
+            ["good", "bad", "safe", "unsafe", "高", "低", "多少", "非常", "not", "card", "cheaper"]
+        ),
+        max_size=6,
+    ),
+    st.lists(
+        st.sampled_from(["good", "bad", "safe", "unsafe", "高", "低", "多少", "非常", "card"]), max_size=6
+    ),
+)
 def test_hard_conflict_symmetric(a_words: list[str], b_words: list[str]) -> None:
     a, b = " ".join(a_words), " ".join(b_words)
     assert hard_conflict(a, b) == hard_conflict(b, a)
@@ -168,8 +176,17 @@ def test_lexical_keys_only_for_chinese() -> None:
     assert "卡丢" in lexical_keys("我的卡丢了")
 
 
-_TEXTS = ["How do I top up my card?", "top up card how", "A man plays a guitar.", "A woman plays a flute",
-          "我的卡丢了", "卡丢了怎么办", "", "?", "Send 50 EUR"]  # fmt: skip
+_TEXTS = [
+    "How do I top up my card?",
+    "top up card how",
+    "A man plays a guitar.",
+    "A woman plays a flute",
+    "我的卡丢了",
+    "卡丢了怎么办",
+    "",
+    "?",
+    "Send 50 EUR",
+]
 
 
 @settings(max_examples=100, deadline=None)
@@ -296,8 +313,16 @@ def test_cluster_is_the_registry(seed: int, texts: list[str]) -> None:
 
 
 def _entry(key: str, text: str, vector: np.ndarray | None, now: float) -> CachedAnswer:
-    return CachedAnswer(f"answer {key}", "stop", "v1", now, "s", text, key,
-                        None if vector is None else [float(x) for x in vector])  # fmt: skip
+    return CachedAnswer(
+        f"answer {key}",
+        "stop",
+        "v1",
+        now,
+        "s",
+        text,
+        key,
+        None if vector is None else [float(x) for x in vector],
+    )
 
 
 def test_cache_search_by_decision_vector_and_lexical() -> None:
@@ -335,14 +360,22 @@ def test_cache_learns_vectorless_chinese_entries_from_other_workers() -> None:
 
 
 def test_evaluate_pairs_reports_the_decision_per_language() -> None:
-    table = {"top up my card": [1.0, 0.0], "put money on my card": [0.99, 0.141], "lock card": [0, 1.0],
-             "unlock card": [0, 1.0]}  # fmt: skip
+    table = {
+        "top up my card": [1.0, 0.0],
+        "put money on my card": [0.99, 0.141],
+        "lock card": [0, 1.0],
+        "unlock card": [0, 1.0],
+    }
 
     def embed(texts: list[str]) -> np.ndarray:
         return np.array([table[t] for t in texts], dtype=np.float32)
 
-    pairs = [("top up my card", "put money on my card", 4.8), ("lock card", "unlock card", 1.0),
-             ("我的卡丢了怎么办", "我的卡丢了怎么办呢", 5.0), ("我的卡丢了", "我要开户", 0.5)]  # fmt: skip
+    pairs = [
+        ("top up my card", "put money on my card", 4.8),
+        ("lock card", "unlock card", 1.0),
+        ("我的卡丢了怎么办", "我的卡丢了怎么办呢", 5.0),
+        ("我的卡丢了", "我要开户", 0.5),
+    ]
     result = evaluate_pairs(pairs, embed, [0.9, 0.995], decision=_toy_decision())
     en, zh = result["by_language"]["en"], result["by_language"]["zh"]
     assert en["learned"]["merge_rate_paraphrase"] == 1.0 and en["learned"]["wrong_merge_rate_below_3"] == 0.0

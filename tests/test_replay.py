@@ -128,8 +128,15 @@ def test_sets_and_worker_env() -> None:
         with pytest.raises(ReplaySettingError, match=why):
             plan.parse_sets([bad], fields)
     n = ReplayNames("surge", "surge.", "r1")
-    env = plan.worker_env(n, broker="kafka://h:1", data_dir="/d", partitions=3, role="all", model="echo",
-                          sets={"max_batch_size": "16", "cache_ttl_s": "60"})  # fmt: skip
+    env = plan.worker_env(
+        n,
+        broker="kafka://h:1",
+        data_dir="/d",
+        partitions=3,
+        role="all",
+        model="echo",
+        sets={"max_batch_size": "16", "cache_ttl_s": "60"},
+    )
     assert env["SURGE_APP_ID"] == "surge-replay-r1" and env["SURGE_TOPIC_PREFIX"] == "surge.replay.r1."
     assert env["SURGE_DEADLINES_ENABLED"] == "false" and env["SURGE_DEGRADE_ENABLED"] == "false"
     # the default cache mode: exact repeats only, no merging
@@ -164,8 +171,15 @@ def test_edit_distance() -> None:
 
 
 def _ok(answer: str, served: str = "model", version: str = "m-1", **kw: object) -> dict[str, object]:
-    return {"status": "ok", "answer": answer, "finish_reason": "stop", "served_from": served,
-            "model_version": version, "timings": {"total_ms": 10.0}, **kw}  # fmt: skip
+    return {
+        "status": "ok",
+        "answer": answer,
+        "finish_reason": "stop",
+        "served_from": served,
+        "model_version": version,
+        "timings": {"total_ms": 10.0},
+        **kw,
+    }
 
 
 def _err(code: str, **kw: object) -> dict[str, object]:
@@ -175,13 +189,20 @@ def _err(code: str, **kw: object) -> dict[str, object]:
 def test_request_report_on_a_history_with_known_differences() -> None:
     keys = [("u", f"r{i}") for i in range(10)]
     live = {
-        keys[0]: _ok("a"), keys[1]: _ok("b"), keys[2]: _ok("c", served="cache"),
-        keys[3]: _err("deadline_exceeded"), keys[4]: _ok("busy", served="template", degradation_level=3),
-        keys[5]: _ok("old answer", version="m-0"), keys[6]: _ok("kitten", served="merged"),
-        keys[7]: _err("rate_limited"), keys[8]: _ok("xyz"),
-    }  # fmt: skip
-    new = {k: _ok(v) for k, v in zip(keys, ["a", "b", "c", "d", "real", "new answer", "sitting", "h", "xyw"],
-                                     strict=False)}  # fmt: skip
+        keys[0]: _ok("a"),
+        keys[1]: _ok("b"),
+        keys[2]: _ok("c", served="cache"),
+        keys[3]: _err("deadline_exceeded"),
+        keys[4]: _ok("busy", served="template", degradation_level=3),
+        keys[5]: _ok("old answer", version="m-0"),
+        keys[6]: _ok("kitten", served="merged"),
+        keys[7]: _err("rate_limited"),
+        keys[8]: _ok("xyz"),
+    }
+    new = {
+        k: _ok(v)
+        for k, v in zip(keys, ["a", "b", "c", "d", "real", "new answer", "sitting", "h", "xyw"], strict=False)
+    }
     new[keys[5]] = _ok("new answer", version="m-1")
     new[keys[9]] = _ok("j")
     rep = compare.compare_requests(keys, live, new, replay_latency_ms={k: 5.0 for k in keys})
@@ -190,9 +211,13 @@ def test_request_report_on_a_history_with_known_differences() -> None:
         3 / 9, abs=1e-6
     )
     assert rep["differences_by_cause"] == {
-        "live_deadline_exceeded": 1, "live_degraded": 1, "rate_limit_state": 1, "model_version_differs": 1,
-        "live_shared_answer": 1, "unexplained": 1,
-    }  # fmt: skip
+        "live_deadline_exceeded": 1,
+        "live_degraded": 1,
+        "rate_limit_state": 1,
+        "model_version_differs": 1,
+        "live_shared_answer": 1,
+        "unexplained": 1,
+    }
     assert rep["agreement"]["unexplained"] == 1 and rep["agreement"]["explained"] == 5
     # comparable: live replies not merged, similar, templated, capped, late or overloaded: r0, r1, r2 (an
     # exact cache hit), r5, r7, r8
@@ -226,20 +251,33 @@ def test_request_causes() -> None:
     assert set(compare.REQUEST_CAUSES) >= {"unexplained", "settings_changed"}
 
 
-def _dec(decision: str, score: float | None, late: bool = False, rv: str = "v1", mv: str = "g1",
-         **features: float) -> dict[str, object]:  # fmt: skip
-    return {"decision": decision, "score": score, "late": late, "rule_version": rv, "model_version": mv,
-            "features": {"account_count_1h": 1, **features}, "reasons": [],
-            "timings": {"produce_to_decision_ms": 4.0}}  # fmt: skip
+def _dec(
+    decision: str, score: float | None, late: bool = False, rv: str = "v1", mv: str = "g1", **features: float
+) -> dict[str, object]:
+    return {
+        "decision": decision,
+        "score": score,
+        "late": late,
+        "rule_version": rv,
+        "model_version": mv,
+        "features": {"account_count_1h": 1, **features},
+        "reasons": [],
+        "timings": {"produce_to_decision_ms": 4.0},
+    }
 
 
 def test_risk_report() -> None:
     ids = [f"e{i}" for i in range(8)]
     live = {
-        "e0": _dec("approve", 0.1), "e1": _dec("approve", 0.2), "e2": _dec("review", 0.5, card_count_1m=3),
-        "e3": _dec("review", None, late=True), "e4": _dec("approve", 0.1, mv="g0"), "e5": _dec("decline", 0.9),
-        "e6": _dec("approve", 0.05), "e7": _dec("approve", 0.3),
-    }  # fmt: skip
+        "e0": _dec("approve", 0.1),
+        "e1": _dec("approve", 0.2),
+        "e2": _dec("review", 0.5, card_count_1m=3),
+        "e3": _dec("review", None, late=True),
+        "e4": _dec("approve", 0.1, mv="g0"),
+        "e5": _dec("decline", 0.9),
+        "e6": _dec("approve", 0.05),
+        "e7": _dec("approve", 0.3),
+    }
     new = dict(live)
     new["e2"] = _dec("approve", 0.2, card_count_1m=1)
     new["e3"] = _dec("approve", 0.1)
@@ -250,8 +288,11 @@ def test_risk_report() -> None:
     assert rep["agreement"]["flips"] == 4 and rep["agreement"]["same_decision"] == 4
     assert rep["decision_flips"]["review->approve"] == 2 and rep["decision_flips"]["approve->review"] == 2
     assert rep["differences_by_cause"] == {
-        "late_differs": 1, "model_version_differs": 1, "rule_version_differs": 1, "features_differ": 1,
-    }  # fmt: skip
+        "late_differs": 1,
+        "model_version_differs": 1,
+        "rule_version_differs": 1,
+        "features_differ": 1,
+    }
     assert rep["feature_mismatches"] == {"card_count_1m": 1}
     assert rep["score_delta"]["pairs"] == 7
     assert rep["score_delta"]["abs"]["max"] == pytest.approx(0.5)
@@ -266,8 +307,9 @@ def test_plots(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from pipeline.replay.plot import plot_report
 
     keys = [("u", "r1"), ("u", "r2")]
-    rep = compare.compare_requests(keys, {keys[0]: _ok("a")}, {keys[0]: _ok("b"), keys[1]: _ok("c")},
-                                   replay_latency_ms={keys[0]: 3.0})  # fmt: skip
+    rep = compare.compare_requests(
+        keys, {keys[0]: _ok("a")}, {keys[0]: _ok("b"), keys[1]: _ok("c")}, replay_latency_ms={keys[0]: 3.0}
+    )
     r_png = plot_report(rep, tmp_path / "r.png")
     assert r_png is not None and r_png.stat().st_size > 10_000
     rrep = compare.compare_risk(["e"], {"e": _dec("approve", 0.1)}, {"e": _dec("review", 0.7)})
@@ -303,8 +345,12 @@ def test_the_replay_starts_from_the_live_settings() -> None:
             "model_path": None,
         }
     )
-    assert live == {"SURGE_MODEL": "echo", "SURGE_DEGRADE_UP_QUEUE_DEPTH": "[1.0, 2.0, 3.0]",
-                    "SURGE_DEDUP_ENABLED": "true", "SURGE_KAFKA_SASL_PASSWORD": "pw"}  # fmt: skip
+    assert live == {
+        "SURGE_MODEL": "echo",
+        "SURGE_DEGRADE_UP_QUEUE_DEPTH": "[1.0, 2.0, 3.0]",
+        "SURGE_DEDUP_ENABLED": "true",
+        "SURGE_KAFKA_SASL_PASSWORD": "pw",
+    }
     n = ReplayNames("surge", "surge.", "r1")
     env = plan.worker_env(n, broker="b", data_dir="d", partitions=1, role="all", live=live)
     assert env["SURGE_MODEL"] == "echo" and env["SURGE_DEDUP_ENABLED"] == "false"

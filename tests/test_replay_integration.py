@@ -109,9 +109,13 @@ async def test_replay_finds_its_range_leaves_live_state_alone_and_repeats_itself
     results = []
     for n in (1, 2):
         opts = ReplayOptions(
-            topic="requests", from_ms=from_ms, to_ms=to_ms, out_dir=tmp_path / f"replay{n}", replay_id=f"t{n}",
+            topic="requests",
+            from_ms=from_ms,
+            to_ms=to_ms,
+            out_dir=tmp_path / f"replay{n}",
+            replay_id=f"t{n}",
             quiet=True,
-        )  # fmt: skip
+        )
         results.append(await run_replay(opts, d.settings))
     first, second = results
 
@@ -163,26 +167,46 @@ async def test_report_on_a_recorded_history_with_known_differences(deployment, t
     try:
         for i, (rid, text) in enumerate(texts.items()):
             req = request(rid, "alice", text, priority="offline", created_at=t0 + i * 100)
-            await producer.send_and_wait(d.topics.requests, json.dumps(req).encode(), key=b"alice",
-                                         timestamp_ms=t0 + i * 100)  # fmt: skip
+            await producer.send_and_wait(
+                d.topics.requests, json.dumps(req).encode(), key=b"alice", timestamp_ms=t0 + i * 100
+            )
 
         def reply(rid: str, **kw: Any) -> dict[str, Any]:
-            base = {"request_id": f"r-{rid}", "user_id": "alice", "status": "ok", "answer": texts[rid],
-                    "finish_reason": "stop", "served_from": "model", "model_version": "echo-1",
-                    "timings": {"total_ms": 20.0}}  # fmt: skip
+            base = {
+                "request_id": f"r-{rid}",
+                "user_id": "alice",
+                "status": "ok",
+                "answer": texts[rid],
+                "finish_reason": "stop",
+                "served_from": "model",
+                "model_version": "echo-1",
+                "timings": {"total_ms": 20.0},
+            }
             return {**base, **kw}
 
         live = [reply(f"h{i}") for i in range(5)]
         live += [
-            reply("h5", answer="We are busy", served_from="template", finish_reason="template", degradation_level=3),
-            {"request_id": "r-h6", "user_id": "alice", "status": "error",
-             "error": {"code": "deadline_exceeded", "message": "late"}, "timings": {"total_ms": 900.0}},
+            reply(
+                "h5",
+                answer="We are busy",
+                served_from="template",
+                finish_reason="template",
+                degradation_level=3,
+            ),
+            {
+                "request_id": "r-h6",
+                "user_id": "alice",
+                "status": "error",
+                "error": {"code": "deadline_exceeded", "message": "late"},
+                "timings": {"total_ms": 900.0},
+            },
             reply("h7", answer="history question 7, older model", model_version="echo-0"),
             reply("h8", answer="history question 3", served_from="cache"),
-        ]  # fmt: skip
+        ]
         for i, r in enumerate(live):  # h9's reply was never recorded
-            await producer.send_and_wait(d.topics.replies, json.dumps(r).encode(), key=b"alice",
-                                         timestamp_ms=t0 + 2000 + i)  # fmt: skip
+            await producer.send_and_wait(
+                d.topics.replies, json.dumps(r).encode(), key=b"alice", timestamp_ms=t0 + 2000 + i
+            )
     finally:
         await producer.stop()
     opts = ReplayOptions(topic="requests", from_ms=t0, to_ms=t0 + 1000, out_dir=tmp_path / "r", quiet=True)
@@ -193,8 +217,11 @@ async def test_report_on_a_recorded_history_with_known_differences(deployment, t
         5 / 9, abs=1e-6
     )
     assert rep["differences_by_cause"] == {
-        "live_deadline_exceeded": 1, "live_degraded": 1, "model_version_differs": 1, "live_shared_answer": 1,
-    }  # fmt: skip
+        "live_deadline_exceeded": 1,
+        "live_degraded": 1,
+        "model_version_differs": 1,
+        "live_shared_answer": 1,
+    }
     assert rep["answers"]["both_ok"] == 8 and rep["answers"]["exact_match"] == 5
     assert rep["served_from_shift"] == {
         "cache->model": 1,
@@ -216,9 +243,17 @@ async def test_report_on_a_recorded_history_with_known_differences(deployment, t
     # a replay whose worker cannot start fails with the worker's error and leaves no topic behind
     from pipeline.exceptions import SurgeError
 
-    bad = ReplayOptions(topic="requests", from_ms=t0, to_ms=t0 + 1000, out_dir=tmp_path / "bad", replay_id="bad",
-                        model="hf", sets={"model_path": str(tmp_path / "no-such-model")}, quiet=True,
-                        start_timeout_s=120)  # fmt: skip
+    bad = ReplayOptions(
+        topic="requests",
+        from_ms=t0,
+        to_ms=t0 + 1000,
+        out_dir=tmp_path / "bad",
+        replay_id="bad",
+        model="hf",
+        sets={"model_path": str(tmp_path / "no-such-model")},
+        quiet=True,
+        start_timeout_s=120,
+    )
     with pytest.raises(SurgeError, match="exited"):
         await run_replay(bad, s)
     assert not any(
@@ -311,8 +346,14 @@ async def test_risk_replay_warms_windows_and_compares_decisions(deployment, tmp_
     labels.write_text(
         "".join(json.dumps({"event_id": e["event_id"], "label": e["label"]}) + "\n" for e in events)
     )
-    opts = ReplayOptions(topic="risk-events", from_ms=from_ms, to_ms=to_ms, out_dir=tmp_path / "risk",
-                         labels_path=labels, quiet=True)  # fmt: skip
+    opts = ReplayOptions(
+        topic="risk-events",
+        from_ms=from_ms,
+        to_ms=to_ms,
+        out_dir=tmp_path / "risk",
+        labels_path=labels,
+        quiet=True,
+    )
     res = await run_replay(opts, d.settings)
     rep = res.report
     assert rep["replay"]["records"] == 200 and rep["replay"]["warmup_records"] == 100

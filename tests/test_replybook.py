@@ -43,9 +43,14 @@ def _req(**kw: object) -> InferenceRequest:
 
 def _scope(req: InferenceRequest, version: str = "v1") -> str:
     return request_scope(
-        tenant=req.tenant, model="faq", model_version=version, max_tokens=req.max_tokens,
-        temperature=req.temperature, logprobs=req.logprobs, context=req.context(),
-    )  # fmt: skip
+        tenant=req.tenant,
+        model="faq",
+        model_version=version,
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        logprobs=req.logprobs,
+        context=req.context(),
+    )
 
 
 def test_scope_covers_the_whole_conversation_and_the_model_version() -> None:

@@ -41,8 +41,19 @@ def on_partition(prefix: str, p: int, n: int = 1) -> list[str]:
 
 
 def event(eid: str, account: str, t: int, **kw: Any) -> dict[str, Any]:
-    e = {"event_id": eid, "type": "payment", "account": account, "card": f"card-{account}", "device": None,
-         "ip": None, "amount": 20.0, "currency": "EUR", "merchant": "m1", "country": "DE", "event_time_ms": t}  # fmt: skip
+    e = {
+        "event_id": eid,
+        "type": "payment",
+        "account": account,
+        "card": f"card-{account}",
+        "device": None,
+        "ip": None,
+        "amount": 20.0,
+        "currency": "EUR",
+        "merchant": "m1",
+        "country": "DE",
+        "event_time_ms": t,
+    }
     e.update(kw)
     return e
 
@@ -53,9 +64,11 @@ async def start(deployment: Any, **env: Any) -> tuple[Any, Any, RiskClient]:
     w = d.worker(role="risk", wait=False)
     await asyncio.to_thread(w.wait_ready, RISK_READY, 180)
     c = RiskClient(
-        d.bootstrap, events_topic=d.topics.risk_events, decisions_topic=d.topics.risk_decisions,
+        d.bootstrap,
+        events_topic=d.topics.risk_events,
+        decisions_topic=d.topics.risk_decisions,
         rules_topic=d.topics.risk_rules,
-    )  # fmt: skip
+    )
     await c.start()
     d.clients.append(c)
     return d, w, c
@@ -158,8 +171,14 @@ async def test_rule_update_applies_on_every_partition_within_a_second(deployment
     accounts = [on_partition("rules-", p)[0] for p in range(PARTITIONS)]
     before = await c.decide(event("r0", accounts[0], T0, type="transfer", card=None, amount=150.0))
     assert before.decision == "approve" and before.rule_version
-    rule = Rule(rule_id="big_transfer", version=1, action="decline", points=5, description="test",
-                when=[("event.type", "==", "transfer"), ("event.amount", ">=", 100)])  # fmt: skip
+    rule = Rule(
+        rule_id="big_transfer",
+        version=1,
+        action="decline",
+        points=5,
+        description="test",
+        when=[("event.type", "==", "transfer"), ("event.amount", ">=", 100)],
+    )
     await c.publish_rules([rule])
     published = time.monotonic()
     n, seen_at, probes = 0, None, []
@@ -175,8 +194,13 @@ async def test_rule_update_applies_on_every_partition_within_a_second(deployment
     assert seen_at is not None, "the new rule never took effect"
     assert seen_at - published <= 1.0, f"took {seen_at - published:.2f} s"
     new_version = probes[-1].rule_version
-    after = await decide_all(c, [event(f"q{i}", acc, T0 + 1000 + i, type="transfer", card=None, amount=150.0)
-                                 for i, acc in enumerate(accounts)])  # fmt: skip
+    after = await decide_all(
+        c,
+        [
+            event(f"q{i}", acc, T0 + 1000 + i, type="transfer", card=None, amount=150.0)
+            for i, acc in enumerate(accounts)
+        ],
+    )
     for dec in after.values():
         assert dec.rule_version == new_version and dec.decision == "decline"
         assert any(

@@ -54,8 +54,19 @@ T0 = 1_735_689_600_000  # a multiple of every tile size
 
 
 def ev(i: int | str, t: int, account: str = "a1", amount: float = 10.0, **kw: Any) -> dict[str, Any]:
-    e = {"event_id": f"e{i}", "type": "payment", "account": account, "card": "c1", "device": None, "ip": None,
-         "amount": amount, "currency": "EUR", "merchant": "m1", "country": "DE", "event_time_ms": t}  # fmt: skip
+    e = {
+        "event_id": f"e{i}",
+        "type": "payment",
+        "account": account,
+        "card": "c1",
+        "device": None,
+        "ip": None,
+        "amount": amount,
+        "currency": "EUR",
+        "merchant": "m1",
+        "country": "DE",
+        "event_time_ms": t,
+    }
     e.update(kw)
     return e
 
@@ -201,17 +212,22 @@ def test_engine_equals_the_brute_force_recomputation(share: float) -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(
-    st.lists(st.tuples(st.integers(0, 200_000), st.integers(0, 3), st.sampled_from([0.5, 3.0, 7.25, 120.0])),
-             min_size=1, max_size=40),
+    st.lists(
+        st.tuples(st.integers(0, 200_000), st.integers(0, 3), st.sampled_from([0.5, 3.0, 7.25, 120.0])),
+        min_size=1,
+        max_size=40,
+    ),
     st.integers(0, 30_000),
     st.integers(1, 3),
-)  # fmt: skip
+)
 def test_any_order_matches_the_brute_force(
     rows: list[tuple[int, int, float]], horizon: int, dedup: int
 ) -> None:
     cfg = FeatureConfig(grace_ms=20_000, horizon_ms=horizon, dedup_ids=dedup, seen_max=2)
-    events = [ev(i, T0 + t, device=f"d{d}", country=["DE", "FR", "IT", "ES"][d], amount=a)
-              for i, (t, d, a) in enumerate(rows)]  # fmt: skip
+    events = [
+        ev(i, T0 + t, device=f"d{d}", country=["DE", "FR", "IT", "ES"][d], amount=a)
+        for i, (t, d, a) in enumerate(rows)
+    ]
     events += [dict(events[0])]  # a redelivery
     eng = FeatureEngine(cfg)
     got = {}
@@ -249,8 +265,13 @@ def test_stage_routes_by_next_entity_and_marks_dirty_states() -> None:
     cache = StateCache(10)
     stage = Stage("account", CFG, 8, cache, lambda key, ctx: store.get(key))
     e1, e2 = ev(1, T0, device="d1", ip="i1"), ev(2, T0 + 1, card=None, device=None, ip=None)
-    res = stage.run([(new_item(e1, "v", T0, T0), "ctx1"), (new_item(e2, "v", T0, T0), "ctx2"),
-                     (new_item(dict(e1), "v", T0, T0), "ctx3")])  # fmt: skip
+    res = stage.run(
+        [
+            (new_item(e1, "v", T0, T0), "ctx1"),
+            (new_item(e2, "v", T0, T0), "ctx2"),
+            (new_item(dict(e1), "v", T0, T0), "ctx3"),
+        ]
+    )
     assert res.duplicates == 1
     assert list(res.forward) == [("card", partition_for("c1", 8))]
     assert [i["e"]["event_id"] for i, _ in res.decide] == ["e2"]
@@ -355,8 +376,15 @@ def test_rules_fire_with_the_values_that_made_them_fire() -> None:
 def test_decision_record_validates_as_a_risk_decision() -> None:
     item = new_item(ev(1, T0), "v1-abc", T0 + 5, T0 + 7)
     item["f"] = {"account": [2] + [0] * (len(NAMES["account"]) - 1)}
-    rec = decision_record(item, decision="review", score=0.7, reasons=["r"], rule_version="v1-abc",
-                          model_version="m", decided_ms=T0 + 25)  # fmt: skip
+    rec = decision_record(
+        item,
+        decision="review",
+        score=0.7,
+        reasons=["r"],
+        rule_version="v1-abc",
+        model_version="m",
+        decided_ms=T0 + 25,
+    )
     d = RiskDecision.model_validate_json(json.dumps(rec))
     assert d.features["account_count_1m"] == 2 and d.features["ip_count_1m"] is None
     assert len(d.features) == len(ALL_FEATURES) and d.timings is not None

@@ -15,9 +15,16 @@ FAST = {"cache_enabled": "false", "dedup_enabled": "false", "rate_limit_enabled"
 
 async def test_realtime_sent_after_a_batch_burst_is_answered_first(deployment) -> None:
     d = deployment(
-        model="echo", echo_delay_ms="60", max_batch_size="8", base_batch_size="4", degrade_enabled="false",
-        deadline_realtime_ms="2000", deadline_interactive_ms="60000", deadline_batch_ms="120000", **FAST,
-    )  # fmt: skip
+        model="echo",
+        echo_delay_ms="60",
+        max_batch_size="8",
+        base_batch_size="4",
+        degrade_enabled="false",
+        deadline_realtime_ms="2000",
+        deadline_interactive_ms="60000",
+        deadline_batch_ms="120000",
+        **FAST,
+    )
     d.worker()
     c = await d.client()
     batch = [await c.submit(request(f"b{i}", f"bulk-{i % 10}", priority="batch")) for i in range(320)]
@@ -96,9 +103,14 @@ async def test_the_followers_of_a_failed_leader_get_its_error_never_silence(depl
     """Requests merged into a leader whose model call fails each get the leader's error reply: a
     failed batch closes its leaders, so no follower waits forever."""
     d = deployment(
-        model="echo", echo_poison="POISON", echo_delay_ms="50", max_wait_ms="300",
-        cache_enabled="false", rate_limit_enabled="false", **RELAXED,
-    )  # fmt: skip
+        model="echo",
+        echo_poison="POISON",
+        echo_delay_ms="50",
+        max_wait_ms="300",
+        cache_enabled="false",
+        rate_limit_enabled="false",
+        **RELAXED,
+    )
     d.worker()
     c = await d.client()
     futs = [await c.submit(request(f"p{i}", f"user{i}", "please explain the POISON fee")) for i in range(4)]
@@ -117,10 +129,17 @@ async def test_the_followers_of_a_failed_leader_get_its_error_never_silence(depl
 
 async def test_overload_degrades_low_classes_to_templates_but_never_realtime(deployment) -> None:
     d = deployment(
-        model="faq", max_batch_size="4", base_batch_size="2", degrade_up_queue_depth="[2,4,6]",
-        degrade_down_queue_depth="[1,3,5]", degrade_cooldown_ms="60000", deadline_realtime_ms="5000",
-        deadline_interactive_ms="60000", deadline_batch_ms="120000", **FAST,
-    )  # fmt: skip
+        model="faq",
+        max_batch_size="4",
+        base_batch_size="2",
+        degrade_up_queue_depth="[2,4,6]",
+        degrade_down_queue_depth="[1,3,5]",
+        degrade_cooldown_ms="60000",
+        deadline_realtime_ms="5000",
+        deadline_interactive_ms="60000",
+        deadline_batch_ms="120000",
+        **FAST,
+    )
     d.worker()
     c = await d.client()
     futs = [

@@ -84,7 +84,7 @@ def test_key_json_forms() -> None:
         ("[1, 2", "does not parse"),
         ("secret with space:acme", "printable ASCII"),
     ],
-)  # fmt: skip
+)
 def test_bad_key_config_fails_at_start_without_showing_the_key(text: str, needle: str) -> None:
     with pytest.raises(ApiKeyConfigError) as info:
         parse_api_keys(text)
@@ -142,9 +142,14 @@ BODY = {"messages": [{"role": "user", "content": "hello"}]}
 def build(key: ApiKey, body: Any = None, headers: dict[str, str] | None = None) -> dict[str, Any]:
     raw = body if isinstance(body, bytes) else json.dumps(BODY if body is None else body).encode()
     return build_request(
-        raw, headers or {}, settings=Settings(model="echo"), request_id="r1", key=key,
-        reply_to="surge.replies.gateway-x", created_at_ms=1,
-    ).request  # fmt: skip
+        raw,
+        headers or {},
+        settings=Settings(model="echo"),
+        request_id="r1",
+        key=key,
+        reply_to="surge.replies.gateway-x",
+        created_at_ms=1,
+    ).request
 
 
 def test_the_request_carries_the_keys_tenant_tier_and_priority() -> None:
@@ -177,7 +182,7 @@ def test_the_request_carries_the_keys_tenant_tier_and_priority() -> None:
         (None, {"X-Surge-Deadline-Ms": "9" * 5000}, "ASCII digits"),
         (None, {"X-Surge-Deadline-Ms": "0"}, "positive integer"),
     ],
-)  # fmt: skip
+)
 def test_edge_case_bodies_and_headers_are_invalid_requests(
     raw: bytes | None, headers: dict, needle: str
 ) -> None:
@@ -223,12 +228,48 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-        "-subj", "/CN=surge-test-ca")  # fmt: skip
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "client.key", "-out", "client.csr",
-        "-subj", "/CN=surge-client")  # fmt: skip
-    run("x509", "-req", "-in", "client.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-        "-out", "client.pem", "-days", "2")  # fmt: skip
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=surge-test-ca",
+    )
+    run(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "client.key",
+        "-out",
+        "client.csr",
+        "-subj",
+        "/CN=surge-client",
+    )
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "client.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "client.pem",
+        "-days",
+        "2",
+    )
     return {name: d / name for name in ("ca.pem", "client.pem", "client.key")}
 
 
@@ -244,8 +285,11 @@ def test_security_settings_are_checked_at_start(certs: dict[str, Path]) -> None:
     )
     with pytest.raises(SettingsError, match=r"missing\.pem"):
         ssl_context(s)
-    assert "secret" not in repr(Settings.load(kafka_security_protocol="SASL_PLAINTEXT", kafka_sasl_username="u",
-                                              kafka_sasl_password="secret"))  # fmt: skip
+    assert "secret" not in repr(
+        Settings.load(
+            kafka_security_protocol="SASL_PLAINTEXT", kafka_sasl_username="u", kafka_sasl_password="secret"
+        )
+    )
 
 
 def test_plaintext_needs_no_credentials() -> None:
@@ -258,10 +302,14 @@ def test_sasl_ssl_builds_the_tls_context_and_both_clients_credentials(certs: dic
     from faust.auth import SASLCredentials, SSLCredentials
 
     s = Settings.load(
-        kafka_security_protocol="SASL_SSL", kafka_sasl_mechanism="SCRAM-SHA-512", kafka_sasl_username="surge",
-        kafka_sasl_password="pw", kafka_ssl_cafile=certs["ca.pem"], kafka_ssl_certfile=certs["client.pem"],
+        kafka_security_protocol="SASL_SSL",
+        kafka_sasl_mechanism="SCRAM-SHA-512",
+        kafka_sasl_username="surge",
+        kafka_sasl_password="pw",
+        kafka_ssl_cafile=certs["ca.pem"],
+        kafka_ssl_certfile=certs["client.pem"],
         kafka_ssl_keyfile=certs["client.key"],
-    )  # fmt: skip
+    )
     ctx = ssl_context(s)
     assert isinstance(ctx, ssl.SSLContext)
     assert ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
@@ -273,12 +321,16 @@ def test_sasl_ssl_builds_the_tls_context_and_both_clients_credentials(certs: dic
     creds = faust_credentials(s)
     assert isinstance(creds, SASLCredentials)
     assert (creds.protocol.value, creds.mechanism.value, creds.username, creds.password) == (
-        "SASL_SSL", "SCRAM-SHA-512", "surge", "pw",
-    )  # fmt: skip
+        "SASL_SSL",
+        "SCRAM-SHA-512",
+        "surge",
+        "pw",
+    )
     assert isinstance(creds.ssl_context, ssl.SSLContext)
 
-    tls = Settings.load(kafka_security_protocol="SSL", kafka_ssl_cafile=certs["ca.pem"],
-                        kafka_ssl_check_hostname=False)  # fmt: skip
+    tls = Settings.load(
+        kafka_security_protocol="SSL", kafka_ssl_cafile=certs["ca.pem"], kafka_ssl_check_hostname=False
+    )
     creds = faust_credentials(tls)
     assert isinstance(creds, SSLCredentials) and creds.protocol.value == "SSL"
     assert creds.context.check_hostname is False
@@ -287,9 +339,11 @@ def test_sasl_ssl_builds_the_tls_context_and_both_clients_credentials(certs: dic
 
 def test_the_faust_app_gets_the_credentials_and_no_builtin_views(tmp_path: Path) -> None:
     s = Settings.load(
-        data_dir=tmp_path, kafka_security_protocol="SASL_PLAINTEXT", kafka_sasl_username="surge",
+        data_dir=tmp_path,
+        kafka_security_protocol="SASL_PLAINTEXT",
+        kafka_sasl_username="surge",
         kafka_sasl_password="pw",
-    )  # fmt: skip
+    )
     app = create_app(s)
     assert app.conf.broker_credentials.username == "surge"
     assert app.conf.broker_credentials.protocol.value == "SASL_PLAINTEXT"
@@ -310,17 +364,35 @@ class Stack:
 def stack(kafka: EmbeddedKafka, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("security")
     main = Deployment(
-        kafka, tmp / "main", api_keys=KEYS, dedup_enabled="false", cache_enabled="false",
-        degrade_enabled="false", user_rate_per_s_free="0.05", user_burst_free="1",
-        deadline_realtime_ms="30000", deadline_interactive_ms="30000", deadline_batch_ms="30000",
-    )  # fmt: skip
+        kafka,
+        tmp / "main",
+        api_keys=KEYS,
+        dedup_enabled="false",
+        cache_enabled="false",
+        degrade_enabled="false",
+        user_rate_per_s_free="0.05",
+        user_burst_free="1",
+        deadline_realtime_ms="30000",
+        deadline_interactive_ms="30000",
+        deadline_batch_ms="30000",
+    )
     slow = Deployment(
-        kafka, tmp / "slow", api_keys=KEYS, dedup_enabled="false", cache_enabled="false",
-        rate_limit_enabled="false", echo_delay_ms="300", max_batch_size="2", base_batch_size="1",
-        degrade_up_queue_depth="[2,4,6]", degrade_down_queue_depth="[1,3,5]", degrade_cooldown_ms="120000",
+        kafka,
+        tmp / "slow",
+        api_keys=KEYS,
+        dedup_enabled="false",
+        cache_enabled="false",
+        rate_limit_enabled="false",
+        echo_delay_ms="300",
+        max_batch_size="2",
+        base_batch_size="1",
+        degrade_up_queue_depth="[2,4,6]",
+        degrade_down_queue_depth="[1,3,5]",
+        degrade_cooldown_ms="120000",
         degrade_template="Busy now: please try again in a minute.",
-        deadline_interactive_ms="60000", deadline_batch_ms="120000",
-    )  # fmt: skip
+        deadline_interactive_ms="60000",
+        deadline_batch_ms="120000",
+    )
     try:
         for d in (main, slow):
             d.worker(wait=False)
@@ -438,8 +510,13 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
 
 
 def head(path: str, length: int, key: str = "k-old", **headers: str) -> str:
-    lines = [f"POST {path} HTTP/1.1", "Host: x", "Content-Type: application/json",
-             f"Authorization: Bearer {key}", f"Content-Length: {length}"]  # fmt: skip
+    lines = [
+        f"POST {path} HTTP/1.1",
+        "Host: x",
+        "Content-Type: application/json",
+        f"Authorization: Bearer {key}",
+        f"Content-Length: {length}",
+    ]
     lines += [f"{k.replace('_', '-')}: {v}" for k, v in headers.items()]
     return "\r\n".join(lines) + "\r\n"
 
@@ -534,9 +611,10 @@ async def test_a_template_answer_is_marked_where_an_openai_client_sees_it(stack:
         assert surge["finish_reason"] == "template" and surge["degradation_level"] == 3
 
         stream = await client.chat.completions.create(
-            **ask("and the fee for a card replacement", user="sec-template"), stream=True,
+            **ask("and the fee for a card replacement", user="sec-template"),
+            stream=True,
             extra_headers={"X-Surge-Priority": "batch"},
-        )  # fmt: skip
+        )
         finals = [
             ch.choices[0].finish_reason async for ch in stream if ch.choices and ch.choices[0].finish_reason
         ]
@@ -574,10 +652,17 @@ async def test_the_worker_web_port_serves_no_table_or_internal_views(stack: Stac
     for path in ("/metrics", "/status", "/healthz"):
         assert http_get(base + path)[0] == 200, path
     for path in (
-        "/table/", "/table/ratelimit/", "/table/ratelimit/acme%2Fweb-user/", "/table/answers/",
-        "/router/", "/router/ratelimit/get/?key=acme/web-user", "/assignment/", "/graph/", "/stats/",
+        "/table/",
+        "/table/ratelimit/",
+        "/table/ratelimit/acme%2Fweb-user/",
+        "/table/answers/",
+        "/router/",
+        "/router/ratelimit/get/?key=acme/web-user",
+        "/assignment/",
+        "/graph/",
+        "/stats/",
         "/performance/",
-    ):  # fmt: skip
+    ):
         status, body = http_get(base + path)
         assert status == 404, (path, status, body[:200])
         assert "web-user" not in body and "ratelimit" not in body
@@ -601,14 +686,15 @@ class SaslKafka(EmbeddedKafka):
         cfg = dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
         sasl = f"SASL_PLAINTEXT://{self.host}:{self.sasl_port}"
         jaas = " ".join(f'user_{u}="{p}"' for u, p in self.users.items())
-        cfg.update({
-            "listeners": f"{cfg['listeners']},{sasl}",
-            "advertised.listeners": f"{cfg['advertised.listeners']},{sasl}",
-            "listener.security.protocol.map": f"{cfg['listener.security.protocol.map']},SASL_PLAINTEXT:SASL_PLAINTEXT",
-            "sasl.enabled.mechanisms": "PLAIN",
-            "listener.name.sasl_plaintext.plain.sasl.jaas.config":
-                f"org.apache.kafka.common.security.plain.PlainLoginModule required {jaas};",
-        })  # fmt: skip
+        cfg.update(
+            {
+                "listeners": f"{cfg['listeners']},{sasl}",
+                "advertised.listeners": f"{cfg['advertised.listeners']},{sasl}",
+                "listener.security.protocol.map": f"{cfg['listener.security.protocol.map']},SASL_PLAINTEXT:SASL_PLAINTEXT",
+                "sasl.enabled.mechanisms": "PLAIN",
+                "listener.name.sasl_plaintext.plain.sasl.jaas.config": f"org.apache.kafka.common.security.plain.PlainLoginModule required {jaas};",
+            }
+        )
         path.write_text("".join(f"{k}={v}\n" for k, v in cfg.items()))
         return path
 
@@ -617,12 +703,22 @@ class SaslKafka(EmbeddedKafka):
 async def test_worker_and_clients_connect_through_sasl(tmp_path: Path) -> None:
     broker = SaslKafka(tmp_path / "kafka", users={"surge": "s3cret"}, partitions=2, heap_mb=384)
     broker.start()
-    d = Deployment(broker, tmp_path / "d", partitions="2", dedup_enabled="false", cache_enabled="false",
-                   degrade_enabled="false")  # fmt: skip
-    d.env.update({
-        "SURGE_BROKER": f"kafka://127.0.0.1:{broker.sasl_port}", "SURGE_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
-        "SURGE_KAFKA_SASL_USERNAME": "surge", "SURGE_KAFKA_SASL_PASSWORD": "s3cret",
-    })  # fmt: skip
+    d = Deployment(
+        broker,
+        tmp_path / "d",
+        partitions="2",
+        dedup_enabled="false",
+        cache_enabled="false",
+        degrade_enabled="false",
+    )
+    d.env.update(
+        {
+            "SURGE_BROKER": f"kafka://127.0.0.1:{broker.sasl_port}",
+            "SURGE_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+            "SURGE_KAFKA_SASL_USERNAME": "surge",
+            "SURGE_KAFKA_SASL_PASSWORD": "s3cret",
+        }
+    )
     try:
         s = d.settings
         wrong = s.model_copy(update={"kafka_sasl_password": type(s.kafka_sasl_password)("wrong")})
@@ -631,9 +727,11 @@ async def test_worker_and_clients_connect_through_sasl(tmp_path: Path) -> None:
         await ensure_topics(s)
         d.worker()
         async with SurgeClient(
-            s.bootstrap_servers, requests_topic=d.topics.requests, reply_topic=d.topics.replies,
+            s.bootstrap_servers,
+            requests_topic=d.topics.requests,
+            reply_topic=d.topics.replies,
             security=client_options(s),
-        ) as c:  # fmt: skip
+        ) as c:
             reply: InferenceReply = await c.request(
                 {"request_id": uuid.uuid4().hex, "user_id": "t/u", "prompt": "through SASL"}, timeout_s=60
             )

@@ -19,9 +19,11 @@ from tests.conftest import request
 pytestmark = pytest.mark.integration
 
 RELAXED_ALL = {
-    "deadline_realtime_ms": "60000", "deadline_interactive_ms": "60000", "deadline_batch_ms": "120000",
+    "deadline_realtime_ms": "60000",
+    "deadline_interactive_ms": "60000",
+    "deadline_batch_ms": "120000",
     "deadline_offline_ms": "120000",
-}  # fmt: skip
+}
 
 
 def level(metrics: str) -> float:
@@ -50,10 +52,19 @@ async def test_impossible_client_deadlines_do_not_degrade_service_for_others(dep
 
 async def test_the_level_steps_down_once_the_load_is_gone(deployment) -> None:
     d = deployment(
-        model="echo", echo_delay_ms="150", max_batch_size="2", base_batch_size="1", rate_limit_enabled="false",
-        cache_enabled="false", dedup_enabled="false", degrade_up_queue_depth="[4,8,12]",
-        degrade_down_queue_depth="[2,6,10]", degrade_cooldown_ms="300", degrade_tick_ms="100", **RELAXED_ALL,
-    )  # fmt: skip
+        model="echo",
+        echo_delay_ms="150",
+        max_batch_size="2",
+        base_batch_size="1",
+        rate_limit_enabled="false",
+        cache_enabled="false",
+        dedup_enabled="false",
+        degrade_up_queue_depth="[4,8,12]",
+        degrade_down_queue_depth="[2,6,10]",
+        degrade_cooldown_ms="300",
+        degrade_tick_ms="100",
+        **RELAXED_ALL,
+    )
     w = d.worker()
     c = await d.client()
     futs = [await c.submit(request(i, f"u{i % 6}", f"line {i}", priority="batch")) for i in range(60)]
@@ -70,10 +81,18 @@ async def test_the_level_steps_down_once_the_load_is_gone(deployment) -> None:
 
 async def test_admitted_work_stays_bounded_and_the_backlog_waits_in_kafka(deployment) -> None:
     d = deployment(
-        model="echo", echo_delay_ms="50", max_batch_size="4", base_batch_size="2", rate_limit_enabled="false",
-        cache_enabled="false", dedup_enabled="false", queue_limit_per_class="16", embed_queue_limit="8",
-        degrade_enabled="false", **RELAXED_ALL,
-    )  # fmt: skip
+        model="echo",
+        echo_delay_ms="50",
+        max_batch_size="4",
+        base_batch_size="2",
+        rate_limit_enabled="false",
+        cache_enabled="false",
+        dedup_enabled="false",
+        queue_limit_per_class="16",
+        embed_queue_limit="8",
+        degrade_enabled="false",
+        **RELAXED_ALL,
+    )
     w = d.worker()
     c = await d.client()
     futs = [await c.submit(request(i, f"u{i % 8}", f"line {i}", priority="offline")) for i in range(300)]
@@ -110,10 +129,26 @@ async def test_a_stalled_backlog_sent_within_the_rate_is_not_rate_limited(deploy
 
 def _demo(data_dir: Path, summary: Path) -> dict[str, object]:
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "demo", "--n", "80", "--rate", "20", "--quiet",
-         "--data-dir", str(data_dir), "--summary-json", str(summary)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "demo",
+            "--n",
+            "80",
+            "--rate",
+            "20",
+            "--quiet",
+            "--data-dir",
+            str(data_dir),
+            "--summary-json",
+            str(summary),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return dict(json.loads(summary.read_text()))
 
