@@ -111,6 +111,9 @@ def create_app(settings: Settings) -> faust.App:
         key_serializer="raw",
         value_serializer="raw",
         stream_buffer_maxsize=settings.stream_buffer_max_records,
+        # one poll may not overfill a paused partition's buffer (a full buffer blocks delivery to
+        # every stream: docs/architecture.md, "The path of a request")
+        broker_max_poll_records=settings.max_poll_records,
         broker_session_timeout=settings.session_timeout_s,
         broker_rebalance_timeout=max(settings.session_timeout_s, 2 * settings.drain_timeout_s),
         broker_heartbeat_interval=min(3.0, settings.session_timeout_s / 4),

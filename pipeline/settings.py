@@ -68,7 +68,17 @@ class Settings(BaseSettings):
     )
     data_dir: Path = Field(Path(".surge-data"), description="folder of the RocksDB table stores")
     stream_buffer_max_records: int = Field(
-        256, ge=1, description="records Faust buffers per partition before pausing its fetch (backpressure)"
+        2048,
+        ge=1,
+        description="records Faust buffers per partition of a stream; it pauses the partition's fetch "
+        "at 80 % (backpressure). A full buffer blocks delivery to every stream of the worker, so it "
+        "must hold what arrives after the pause: at least 10 x max_poll_records",
+    )
+    max_poll_records: int = Field(
+        200,
+        ge=1,
+        description="most records one poll of the worker's consumer hands over (all partitions); "
+        "bounds what reaches a paused partition's buffer after its pause",
     )
     table_write_buffer_mb: int = Field(
         4,
@@ -391,6 +401,13 @@ class Settings(BaseSettings):
                 f"deadlines must not shrink with priority: deadline_realtime_ms={self.deadline_realtime_ms}, "
                 f"deadline_interactive_ms={self.deadline_interactive_ms}, "
                 f"deadline_batch_ms={self.deadline_batch_ms}"
+            )
+        if self.stream_buffer_max_records < 10 * self.max_poll_records:
+            # Faust delivers a poll's records in order and waits on a full stream buffer: one
+            # blocked lower-class reader would then hold real-time records behind it
+            raise ValueError(
+                f"stream_buffer_max_records={self.stream_buffer_max_records} must be at least "
+                f"10 x max_poll_records={self.max_poll_records}"
             )
         if self.deadline_offline_ms and self.deadline_offline_ms < self.deadline_batch_ms:
             raise ValueError(

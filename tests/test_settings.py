@@ -196,3 +196,18 @@ def test_settings_defaults_are_the_pure_configs_defaults() -> None:
         "premium": TierLimits(s.user_rate_per_s_premium, s.user_burst_premium),
     }
     assert rl.tenant == TierLimits(s.tenant_rate_per_s, s.tenant_burst)
+
+
+def test_a_poll_cannot_overfill_a_paused_stream_buffer() -> None:
+    """Faust hands a poll's records to the streams in order and waits on a full stream buffer, so a
+    reader blocked on admission (a lower class) would hold real-time records behind it: the buffer
+    must hold what can still arrive after the pause at 80 % (two polls in flight)."""
+    from pipeline.app import create_app
+
+    s = Settings.load()
+    assert s.stream_buffer_max_records >= 10 * s.max_poll_records
+    app = create_app(s)
+    assert app.conf.broker_max_poll_records == s.max_poll_records
+    assert app.conf.stream_buffer_maxsize == s.stream_buffer_max_records
+    with pytest.raises(SettingsError, match="10 x max_poll_records"):
+        Settings.load(stream_buffer_max_records=256, max_poll_records=200)
