@@ -123,6 +123,10 @@ class ReplyClient(TopicReader, Generic[A]):
             fut = self._waiting[key] = asyncio.get_running_loop().create_future()
         return fut
 
+    def waiting(self) -> dict[str, asyncio.Future[A]]:
+        """The ids still waiting for an answer, with their futures (a copy)."""
+        return dict(self._waiting)
+
     def forget(self, key: str) -> None:
         """Stop waiting for ``key`` (after a timeout); a late answer is then ignored."""
         self._waiting.pop(key, None)

@@ -110,7 +110,9 @@ async def inprocess(
         try:
             yield Running(d, rt, await d.client())
         finally:
-            await d.close()  # the client's tasks end before the worker checks what it left running
+            # the client's tasks end before the worker checks what it left running; the worker
+            # still reads the topics
+            await d.close(delete_topics=False)
 
 
 async def test_each_priority_class_gets_exactly_one_echo_reply_on_its_own_reply_topic(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from tests.conftest import RELAXED, request
@@ -54,7 +52,7 @@ async def test_100_paraphrases_of_10_questions_cost_about_10_model_calls(deploym
         for i, q in enumerate(QUESTIONS):
             futs.append(await c.submit(request(f"{i}-{j}", f"user-{(i * 7 + j) % 13}", edit(q))))
     await c.producer.flush()
-    replies = await asyncio.wait_for(asyncio.gather(*futs), 90)
+    replies = await d.replies(futs, 90)
     assert sorted(r.request_id for r in replies) == sorted(f"r-{i}-{j}" for i in range(10) for j in range(10))
     assert all(r.status == "ok" for r in replies)
     calls = model_items(w.metrics())
@@ -83,7 +81,7 @@ async def test_opposite_requests_are_never_merged(deployment) -> None:
         futs.append(await c.submit(request(f"a{k}", "ann", a)))
         futs.append(await c.submit(request(f"b{k}", "ben", b)))
     await c.producer.flush()
-    replies = await asyncio.wait_for(asyncio.gather(*futs), 60)
+    replies = await d.replies(futs, 60)
     assert all(r.served_from == "model" for r in replies), [(r.request_id, r.served_from) for r in replies]
     assert model_items(w.metrics()) == 8
 

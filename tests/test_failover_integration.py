@@ -131,11 +131,11 @@ async def test_broker_restart_under_load_loses_nothing(deployment, tmp_path: Pat
         c = await d.client()
         futs = [await c.submit(request(i, f"u{i % 8}", f"before {i}")) for i in range(150)]
         await c.producer.flush()
-        await asyncio.wait_for(asyncio.gather(*futs[:20]), 60)
+        await d.replies(futs[:20], 60)
         await asyncio.to_thread(broker.restart)
         futs += [await c.submit(request(1000 + i, f"u{i % 8}", f"after {i}")) for i in range(150)]
         await c.producer.flush()
-        replies = await asyncio.wait_for(asyncio.gather(*futs), 240)
+        replies = await d.replies(futs, 240)
         assert len({r.request_id for r in replies}) == 300
         assert all(r.status == "ok" for r in replies), [r.error for r in replies if r.status != "ok"][:3]
         _, differing = repeats(c.replies)

@@ -17,14 +17,6 @@ from tests.conftest import RELAXED, request
 pytestmark = pytest.mark.integration
 
 
-async def gather_replies(futs: list, timeout_s: float = 90.0) -> list:
-    """Every future's reply, in order; on timeout, an error naming how many never came."""
-    _, pending = await asyncio.wait(futs, timeout=timeout_s)
-    if pending:
-        raise AssertionError(f"{len(pending)} of {len(futs)} requests unanswered after {timeout_s} s")
-    return [f.result() for f in futs]
-
-
 async def test_500_requests_from_20_users_in_all_four_classes_each_answered_once_in_order(deployment) -> None:
     d = deployment(
         model="echo",
@@ -45,7 +37,7 @@ async def test_500_requests_from_20_users_in_all_four_classes_each_answered_once
         futs.append(await c.submit(request(i, user, f"{user} asks question {i}", priority=prio)))
         sent[(user, prio)].append(f"r-{i}")
     await c.producer.flush()
-    replies = await gather_replies(futs)
+    replies = await d.replies(futs)
     assert all(r.status == "ok" for r in replies), [r.error for r in replies if r.status != "ok"][:3]
     assert {r.request_id for r in replies} == {f"r-{i}" for i in range(500)}
     await asyncio.sleep(1.0)  # any duplicate reply would have arrived by now
@@ -95,9 +87,9 @@ async def test_bad_inputs_get_error_replies_and_dead_letters_while_serving(deplo
         await c.send_raw(key, value)
     good_after = await c.submit(request("good-2", "bob"))
     await c.producer.flush()
-    ok1, ok2 = await gather_replies([good_before, good_after], 60)
+    ok1, ok2 = await d.replies([good_before, good_after], 60)
     assert ok1.status == ok2.status == "ok", (ok1.error, ok2.error)
-    errors = dict(zip(expect, await gather_replies(list(expect.values()), 60), strict=True))
+    errors = dict(zip(expect, await d.replies(list(expect.values()), 60), strict=True))
     for rid, reply in errors.items():
         assert reply.status == "error" and reply.error is not None
         assert reply.error.code == "invalid_request", (rid, reply.error)
@@ -137,7 +129,7 @@ async def test_sigkill_mid_stream_during_merges_loses_nothing_and_repeats_are_id
     answered_before = len(c.replies)
     assert answered_before < 300, "the kill must land mid-stream"
     d.worker()
-    replies = await gather_replies(futs, 120)
+    replies = await d.replies(futs, 120)
     assert {r.request_id for r in replies} == {f"r-{i}" for i in range(300)}
     assert all(r.status == "ok" for r in replies)
     await asyncio.sleep(1.0)
@@ -174,7 +166,7 @@ async def test_round_trip_with_a_tiny_causal_lm(deployment, tmp_path) -> None:
         for i in range(4)
     ]
     await c.producer.flush()
-    replies = await gather_replies(futs, 120)
+    replies = await d.replies(futs, 120)
     for r in replies:
         assert r.status == "ok", r.error
         assert r.served_from == "model" and r.finish_reason in ("stop", "length")
@@ -192,7 +184,7 @@ async def test_intake_and_inference_in_separate_workers(deployment) -> None:
     c = await d.client()
     futs = [await c.submit(request(i, f"split-{i % 6}", f"split question {i % 40}")) for i in range(120)]
     await c.producer.flush()
-    replies = await gather_replies(futs, 90)
+    replies = await d.replies(futs, 90)
     assert all(r.status == "ok" for r in replies), [r.error for r in replies if r.status != "ok"][:3]
     assert {r.request_id for r in replies} == {f"r-{i}" for i in range(120)}
     assert {"model", "cache"} <= {r.served_from for r in replies} | {"cache"}
@@ -255,3 +247,21 @@ async def test_a_foreign_record_on_a_work_topic_is_dead_lettered(deployment) -> 
     dls = [DeadLetter.model_validate_json(r.value) for r in await d.read_topic(d.topics.deadletter, 1)]
     assert [dl.reason for dl in dls] == ["invalid_work_item"]
     assert f"{d.topics.work('interactive')}[" in dls[0].message
+
+
+async def test_an_unanswered_request_is_named_with_where_its_reply_is(deployment) -> None:
+    """The tests' reply wait: when no worker answers, the failure names the request, says no reply is
+    on the topic (so the worker, not the client's reader, is the one to look at) and shows the logs."""
+    d = deployment()
+    c = await d.client()
+    answered = await c.submit(request("there"))
+    silent = await c.submit(request("never"))
+    # the reply to one request is written straight to the reply topic, as a worker would
+    reply = {"request_id": "r-there", "user_id": "u1", "status": "ok", "answer": "x", "served_from": "model"}
+    await c.producer.send_and_wait(d.topics.replies, json.dumps(reply).encode(), key=b"u1")
+    with pytest.raises(AssertionError) as err:
+        await d.replies([answered, silent], 5)
+    text = str(err.value)
+    assert "1 of 2 requests unanswered after 5 s: ['r-never']" in text
+    assert "0 of them have a reply" in text
+    assert answered.done() and answered.result().request_id == "r-there"

@@ -34,7 +34,7 @@ async def test_live_scrape_exports_every_metric_deploy_reads(deployment) -> None
     futs = [await c.submit(request(i, "metrics-user", "what is my balance")) for i in range(4)]
     await c.send_raw(b"metrics-user", b"not json")
     await c.producer.flush()
-    await asyncio.wait_for(asyncio.gather(*futs), 60)
+    await d.replies(futs, 60)
     await asyncio.sleep(0.5)
     text = w.metrics()
     samples = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}

@@ -94,7 +94,7 @@ async def test_requests_from_a_transactional_producer_are_answered_and_committed
         values.append(json.dumps(req).encode())
     futs = [c.expect(f"r-tx{i}") for i in range(n)]
     await _transactional_sends(d.bootstrap, d.topics.requests, values, key=b"tx-user")
-    replies = await asyncio.wait_for(asyncio.gather(*futs), 60)
+    replies = await d.replies(futs, 60)
     assert all(r.status == "ok" for r in replies)
     # the commit steps over the markers between the records: it reaches the last record + 1
     admin = AIOKafkaAdminClient(bootstrap_servers=d.bootstrap)

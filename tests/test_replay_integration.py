@@ -79,7 +79,7 @@ async def test_replay_finds_its_range_leaves_live_state_alone_and_repeats_itself
     async def send(reqs: list[dict[str, Any]]) -> None:
         futs = [await c.submit(r) for r in reqs]
         await c.producer.flush()
-        await asyncio.wait_for(asyncio.gather(*futs), 60)
+        await d.replies(futs, 60)
 
     await send([request(f"before-{i}", f"u{i % 3}") for i in range(6)])
     await asyncio.sleep(1.2)
@@ -285,7 +285,7 @@ async def test_shadow_outputs_never_reach_a_reply_topic(deployment, tmp_path: Pa
     futs = [await c.submit(r) for r in reqs[:-1]]
     await c.send_raw(b"u9", json.dumps(reqs[-1]).encode())
     await c.producer.flush()
-    await asyncio.wait_for(asyncio.gather(*futs), 60)
+    await d.replies(futs, 60)
     want = {(r["user_id"], r["request_id"]) for r in reqs if plan.sampled(r["request_id"], 50)}
     assert 5 < len(want) < 36
     await shadow.collector.wait_for(want, 60)
@@ -334,7 +334,7 @@ async def test_risk_replay_warms_windows_and_compares_decisions(deployment, tmp_
     async def decide(batch: list[dict[str, Any]]) -> None:
         futs = [await c.send(as_event(e)) for e in batch]
         await c.producer.flush()
-        await asyncio.wait_for(asyncio.gather(*futs), 90)
+        await d.replies(futs, 90)
 
     await decide(events[:100])
     await asyncio.sleep(1.2)

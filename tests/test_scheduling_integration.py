@@ -36,7 +36,7 @@ async def test_realtime_sent_after_a_batch_burst_is_answered_first(deployment) -
         for i in range(10)
     ]
     await c.producer.flush()
-    await asyncio.wait_for(asyncio.gather(*batch, *rt), 120)
+    await d.replies([*batch, *rt], 120)
     order = [r.request_id for r in c.replies]
     last_rt = max(order.index(f"r-rt{i}") for i in range(10))
     batch_after = sum(1 for rid in order[last_rt:] if rid.startswith("r-b"))
@@ -71,8 +71,8 @@ async def test_a_rate_limited_user_gets_errors_while_others_are_served(deploymen
     noisy = [await c.submit(request(f"n{i}", "noisy", f"question {i}")) for i in range(12)]
     quiet = [await c.submit(request(f"q{i}", f"quiet-{i}", f"question {i}")) for i in range(3)]
     await c.producer.flush()
-    noisy_r = await asyncio.wait_for(asyncio.gather(*noisy), 60)
-    quiet_r = await asyncio.wait_for(asyncio.gather(*quiet), 60)
+    noisy_r = await d.replies(noisy, 60)
+    quiet_r = await d.replies(quiet, 60)
     limited = [r for r in noisy_r if r.status == "error"]
     assert len([r for r in noisy_r if r.status == "ok"]) == 3
     assert len(limited) == 9 and all(r.error.code == "rate_limited" for r in limited)
@@ -91,7 +91,7 @@ async def test_a_poisoned_request_fails_alone(deployment) -> None:
     futs = [await c.submit(request(i, f"u{i}", f"ordinary question {i}")) for i in range(15)]
     futs.insert(7, await c.submit(request("bad", "mallory", "this one carries POISON")))
     await c.producer.flush()
-    replies = await asyncio.wait_for(asyncio.gather(*futs), 60)
+    replies = await d.replies(futs, 60)
     bad = next(r for r in replies if r.request_id == "r-bad")
     assert bad.status == "error" and bad.error.code == "model_error"
     good = [r for r in replies if r.request_id != "r-bad"]
@@ -116,7 +116,7 @@ async def test_the_followers_of_a_failed_leader_get_its_error_never_silence(depl
     futs = [await c.submit(request(f"p{i}", f"user{i}", "please explain the POISON fee")) for i in range(4)]
     futs.append(await c.submit(request("ok", "other", "an ordinary question about fees")))
     await c.producer.flush()
-    replies = {r.request_id: r for r in await asyncio.wait_for(asyncio.gather(*futs), 60)}
+    replies = {r.request_id: r for r in await d.replies(futs, 60)}
     poisoned = [replies[f"r-p{i}"] for i in range(4)]
     assert all(r.status == "error" and r.error.code == "model_error" for r in poisoned)
     assert sum(r.merged_into is not None for r in poisoned) == 0, "an error names no leader"
@@ -158,7 +158,7 @@ async def test_overload_degrades_low_classes_to_templates_but_never_realtime(dep
         for i in range(5)
     ]
     await c.producer.flush()
-    replies = await asyncio.wait_for(asyncio.gather(*futs, *rt), 120)
+    replies = await d.replies([*futs, *rt], 120)
     templated = [r for r in replies if r.served_from == "template"]
     assert templated, "level 3 must answer low classes with the FAQ template"
     assert all(r.degradation_level == 3 and r.finish_reason == "template" and r.answer for r in templated)
@@ -177,5 +177,5 @@ async def test_overload_degrades_low_classes_to_templates_but_never_realtime(dep
         for i in range(5)
     ]
     await c.producer.flush()
-    late_replies = await asyncio.wait_for(asyncio.gather(*late), 60)
+    late_replies = await d.replies(late, 60)
     assert all(r.served_from == "template" and r.degradation_level == 3 for r in late_replies), late_replies

@@ -629,7 +629,7 @@ async def test_a_template_answer_is_marked_where_an_openai_client_sees_it(stack:
     finally:
         await client.close()
         await gw.stop()
-        await asyncio.wait_for(asyncio.gather(*flood), 120)
+        await d.replies(flood, 120)
 
 
 def http_get(url: str) -> tuple[int, str]:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,29 @@ class Deployment:
         await c.start()
         self.clients.append(c)
         return c
+
+    async def replies(self, futures: Sequence[asyncio.Future[Any]], timeout_s: float = 90.0) -> list[Any]:
+        """Every future's reply, in order. On timeout, an AssertionError that says which requests
+        are unanswered, whether their replies are on the reply topic all the same (the client's
+        reader missed them) or not (no worker answered), and the end of every worker's log."""
+        futures = list(futures)
+        _, pending = await asyncio.wait(futures, timeout=timeout_s) if futures else (set(), set())
+        if not pending:
+            return [f.result() for f in futures]
+        waiting = {id(f): key for c in self.clients for key, f in c.waiting().items()}
+        missing = sorted(waiting.get(id(f), "?") for f in pending)
+        on_topic: set[str] = set()
+        with contextlib.suppress(Exception):
+            for record in await self.read_topic(self.topics.replies, timeout_s=5):
+                with contextlib.suppress(ValueError):
+                    on_topic.add(json.loads(record.value).get("request_id"))
+        found = [k for k in missing if k in on_topic]
+        logs = "\n".join(f"--- {w.name} ({w.log_path}):\n{w.tail(3000)}" for w in self.workers)
+        raise AssertionError(
+            f"{len(pending)} of {len(futures)} requests unanswered after {timeout_s:g} s: "
+            f"{missing[:10]}{' ...' if len(missing) > 10 else ''}; {len(found)} of them have a reply on "
+            f"{self.topics.replies} that the client did not read ({found[:10]})\n{logs}"
+        )
 
     def metrics(self, worker: int = 0) -> Samples:
         """A worker's /metrics, parsed (the first worker's by default)."""
