@@ -38,7 +38,7 @@ from models.embedder import Embedder
 from pipeline.batcher import AsyncBatcher, BatchObserver
 from pipeline.cache import AnswerCache, CachedAnswer
 from pipeline.dedup import is_embeddable
-from pipeline.degrade import DegradationController, DegradePlan, MissRateWindow
+from pipeline.degrade import DegradationController, DegradePlan, MissRateWindow, pressure_depth
 from pipeline.exceptions import DeadlineExceededError, SurgeError
 from pipeline.inference_config import degrade_config, scheduler_config
 from pipeline.isolation import RetryPolicy, run_isolated
@@ -530,16 +530,16 @@ class Inference:
     def observe_pressure(self) -> int:
         """Feed the controller and the gauges; returns the level."""
         m = self.rt.metrics
-        total = 0
-        for priority in PRIORITIES:
-            n = self.waiting(priority)
+        s = self.rt.settings
+        depths = {priority: self.waiting(priority) for priority in PRIORITIES}
+        for priority, n in depths.items():
             m.requests_queue_depth.labels(priority=priority).set(n)
-            total += n
-        m.requests_in_queue_per_worker.set(total)
-        if not self.rt.settings.degrade_enabled:
+        m.requests_in_queue_per_worker.set(sum(depths.values()))
+        if not s.degrade_enabled:
             return 0
         now = now_ms()
-        level = self.controller.observe(total, self.misses.miss_rate(now), now)
+        depth = pressure_depth(depths, {p: s.deadline_ms(p) for p in PRIORITIES})
+        level = self.controller.observe(depth, self.misses.miss_rate(now), now)
         m.degradation_level.set(level)
         return level
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pipeline.exceptions import InvalidRequestError, SettingsError
@@ -190,6 +191,20 @@ def plan(
         logprobs=logprobs and applied < 1,
         use_template=applied >= 3,
     )
+
+
+def pressure_depth(depths: Mapping[str, int], deadlines_ms: Mapping[str, int | None]) -> int:
+    """The queue depth the controller reads: the items of classes that have a deadline.
+
+    Work without a deadline (``offline`` by default) may wait as long as it takes; strict priority
+    serves it last, so after a failover or a surge it is what fills the queue while every deadline is
+    met, and counting it kept the level up long after the pressure was gone. With no deadline on any
+    class (deadlines off) every item counts. Called by the inference agent on each controller tick;
+    the ``requests_in_queue_per_worker`` gauge (what the HPA scales on) still counts every item.
+    """
+    if not any(deadlines_ms.get(cls) for cls in depths):
+        return sum(depths.values())
+    return sum(n for cls, n in depths.items() if deadlines_ms.get(cls))
 
 
 class MissRateWindow:

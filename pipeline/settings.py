@@ -283,11 +283,11 @@ class Settings(BaseSettings):
     degrade_enabled: bool = Field(True, description="run the overload degradation controller")
     degrade_up_queue_depth: tuple[float, float, float] = Field(
         degrade.DEFAULT_UP_QUEUE_DEPTH,
-        description="queue depth per worker at which levels 1, 2, 3 start (JSON list)",
+        description="queue depth per worker (items of classes with a deadline) at which levels 1, 2, 3 start (JSON list)",
     )
     degrade_down_queue_depth: tuple[float, float, float] = Field(
         degrade.DEFAULT_DOWN_QUEUE_DEPTH,
-        description="queue depth per worker under which levels 1, 2, 3 may step down",
+        description="queue depth per worker (items of classes with a deadline) under which levels 1, 2, 3 may step down",
     )
     degrade_up_miss_rate: tuple[float, float, float] = Field(
         degrade.DEFAULT_UP_MISS_RATE,

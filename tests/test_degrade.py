@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from pipeline.degrade import DegradationController, DegradeConfig, MissRateWindow, plan
+from pipeline.degrade import DegradationController, DegradeConfig, MissRateWindow, plan, pressure_depth
 from pipeline.exceptions import InvalidRequestError, SettingsError
 
 CONFIG = DegradeConfig(
@@ -160,3 +160,25 @@ def test_controller_fed_by_window_recovers_after_a_burst_of_misses() -> None:
     assert max(levels) == 3
     assert levels[-1] == 0
     assert all(b >= a - 1 for a, b in itertools.pairwise(levels))  # one step down at a time
+
+
+DEADLINES = {"realtime": 200, "interactive": 500, "batch": 5_000, "offline": None}
+
+
+def test_pressure_depth_leaves_out_work_without_a_deadline() -> None:
+    depths = {"realtime": 1, "interactive": 2, "batch": 3, "offline": 500}
+    assert pressure_depth(depths, DEADLINES) == 6
+    # an operator who gives offline a deadline makes its backlog count
+    assert pressure_depth(depths, {**DEADLINES, "offline": 60_000}) == 506
+    # with deadlines off nothing has one: every item counts
+    assert pressure_depth(depths, dict.fromkeys(DEADLINES)) == 506
+
+
+def test_an_offline_backlog_alone_does_not_raise_the_level_but_the_same_batch_backlog_does() -> None:
+    quiet, pressed = DegradationController(CONFIG), DegradationController(CONFIG)
+    backlog = 50  # above every up threshold of CONFIG
+    for t in range(0, 30_000, 250):
+        quiet.observe(pressure_depth({"realtime": 0, "batch": 2, "offline": backlog}, DEADLINES), 0.0, t)
+        pressed.observe(pressure_depth({"realtime": 0, "batch": backlog, "offline": 2}, DEADLINES), 0.0, t)
+    assert quiet.level == 0
+    assert pressed.level == 3

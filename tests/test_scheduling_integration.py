@@ -11,6 +11,18 @@ from tests.conftest import RELAXED, request
 
 pytestmark = pytest.mark.integration
 FAST = {"cache_enabled": "false", "dedup_enabled": "false", "rate_limit_enabled": "false"}
+# batches of 2-4 and degradation thresholds of a few items: a backlog of 200 reaches every level
+SMALL_QUEUE = {
+    "max_batch_size": "4",
+    "base_batch_size": "2",
+    "degrade_up_queue_depth": "[2,4,6]",
+    "degrade_down_queue_depth": "[1,3,5]",
+    "degrade_cooldown_ms": "60000",
+    "deadline_realtime_ms": "5000",
+    "deadline_interactive_ms": "60000",
+    "deadline_batch_ms": "120000",
+    **FAST,
+}
 
 
 async def test_realtime_sent_after_a_batch_burst_is_answered_first(deployment) -> None:
@@ -127,18 +139,42 @@ async def test_the_followers_of_a_failed_leader_get_its_error_never_silence(depl
     assert merged >= 1, "the identical poisoned requests were merged into a leader, not each computed"
 
 
+async def test_an_offline_backlog_without_a_deadline_does_not_degrade_anyone(deployment) -> None:
+    """Offline work may wait as long as it takes: a deep offline queue (the same depth that sends a
+    batch backlog to level 3 in the test below) leaves the level at 0 and templates no one."""
+    d = deployment(
+        model="echo",
+        echo_delay_ms="40",
+        **SMALL_QUEUE,
+    )
+    d.worker()
+    c = await d.client()
+    futs = [await c.submit(request(f"o{i}", f"night-{i % 7}", priority="offline")) for i in range(200)]
+    await c.producer.flush()
+    while sum(r.priority == "offline" for r in c.replies) < 20:  # noqa: ASYNC110 - the backlog is being worked
+        await asyncio.sleep(0.02)
+    depths = [
+        float(line.split()[-1])
+        for line in d.workers[0].metrics().splitlines()
+        if line.startswith('requests_queue_depth{priority="offline"}')
+    ]
+    rt = [await c.submit(request(f"rt{i}", f"live-{i}", priority="realtime")) for i in range(3)]
+    await c.producer.flush()
+    replies = await d.replies([*futs, *rt], 120)
+    assert depths and depths[0] > 6, (
+        f"the offline queue must be deeper than level 3's threshold, was {depths}"
+    )
+    assert all(r.status == "ok" and r.served_from == "model" for r in replies), {
+        (r.served_from, r.error.code if r.error else None) for r in replies
+    }
+    assert {r.degradation_level for r in replies} == {0}
+    assert "surge_degradation_level 0.0" in d.workers[0].metrics()
+
+
 async def test_overload_degrades_low_classes_to_templates_but_never_realtime(deployment) -> None:
     d = deployment(
         model="faq",
-        max_batch_size="4",
-        base_batch_size="2",
-        degrade_up_queue_depth="[2,4,6]",
-        degrade_down_queue_depth="[1,3,5]",
-        degrade_cooldown_ms="60000",
-        deadline_realtime_ms="5000",
-        deadline_interactive_ms="60000",
-        deadline_batch_ms="120000",
-        **FAST,
+        **SMALL_QUEUE,
     )
     d.worker()
     c = await d.client()
