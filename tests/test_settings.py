@@ -211,3 +211,16 @@ def test_a_poll_cannot_overfill_a_paused_stream_buffer() -> None:
     assert app.conf.stream_buffer_maxsize == s.stream_buffer_max_records
     with pytest.raises(SettingsError, match="10 x max_poll_records"):
         Settings.load(stream_buffer_max_records=256, max_poll_records=200)
+
+
+def test_a_survivor_hears_of_a_dead_member_within_a_second_of_its_session_expiring() -> None:
+    """The group coordinator tells the other members of a rebalance in a heartbeat reply: the
+    heartbeat interval bounds how long after the session timeout a survivor takes a killed worker's
+    partitions (issue: served again within session timeout + 3 s)."""
+    from pipeline.app import create_app
+
+    app = create_app(Settings.load())
+    assert app.conf.broker_session_timeout == 10.0
+    assert app.conf.broker_heartbeat_interval <= 1.0
+    short = create_app(Settings.load(session_timeout_s=4))
+    assert short.conf.broker_heartbeat_interval <= 0.4
