@@ -23,11 +23,22 @@ def default_embedder_path() -> str:
 
 
 class Embedder:
-    """Batched, thread-safe sentence embeddings."""
+    """Batched, thread-safe sentence embeddings.
 
-    def __init__(self, path: str | None = None, device: str | None = None, batch_size: int = 64) -> None:
+    ``batch_size`` is the chunk one forward pass takes; sentence-transformers sorts a call's texts by
+    length first, so small chunks pad little. On CPU small chunks win: MiniLM-L6 on one thread embeds a
+    call of 64 banking questions at 6.0 ms each in chunks of 8 and 15.8 ms each in one chunk of 64
+    (padding to the longest and attention growing with it); chunks of 4 and 12 measured 6.2 and 6.4 ms.
+    On a GPU one large chunk is cheaper. ``None`` picks 8 on CPU and 64 elsewhere.
+    """
+
+    CPU_BATCH_SIZE = 8
+    ACCELERATOR_BATCH_SIZE = 64
+
+    def __init__(
+        self, path: str | None = None, device: str | None = None, batch_size: int | None = None
+    ) -> None:
         self.path = path or default_embedder_path()
-        self.batch_size = batch_size
         self._lock = threading.Lock()
         try:
             from sentence_transformers import SentenceTransformer
@@ -35,6 +46,10 @@ class Embedder:
             self._model = SentenceTransformer(self.path, device=device)
         except Exception as exc:
             raise ModelLoadError(f"cannot load sentence-transformers model from {self.path}: {exc}") from exc
+        if batch_size is None:
+            on_cpu = str(self._model.device).startswith("cpu")
+            batch_size = self.CPU_BATCH_SIZE if on_cpu else self.ACCELERATOR_BATCH_SIZE
+        self.batch_size = batch_size
         dim = self._model.get_embedding_dimension()
         if dim is None:  # a model whose last module does not say its output size
             raise ModelLoadError(f"the sentence-transformers model in {self.path} reports no embedding size")
