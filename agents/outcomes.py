@@ -42,8 +42,9 @@ class Pending:
     cache_key: str | None = None
     #: degradation level 3 sends it to the template answer (after a cache lookup)
     template: bool = False
-    #: copies of this very request read again (a redelivery) while it was still in flight: each
-    #: gets the same recorded reply
+    #: copies of this very request read again (a redelivery, e.g. after a rebalance gave this worker
+    #: back a partition whose drain timed out) while it was still in flight: acked with its reply,
+    #: which is the one reply they all get (a twin asking for another reply topic gets a copy there)
     twins: list[Pending] = field(default_factory=list)
 
     @property
@@ -83,15 +84,18 @@ class ReplyWriter:
     async def send(
         self, outcomes: Sequence[Outcome], *, batch_size: int = 0, inference_ms: float | None = None
     ) -> None:
-        """One reply per outcome (and per twin), enqueued in order; the records are acked once
-        their replies are on the broker. Called by every path that answers a request."""
+        """One reply per outcome, enqueued in order; the records are acked once their replies are on
+        the broker. A twin (the same request read again while in flight) is acked with its first
+        copy's reply and gets no second one, unless it names another reply topic: a redelivery is
+        no repeat. Called by every path that answers a request."""
         tickets: list[Ticket] = []
         futs: list[Awaitable[Any]] = []
         for outcome in outcomes:
             futs.append(await self._reply(outcome, batch_size, inference_ms))
             tickets.append(outcome.pending.ticket)
             for twin in outcome.pending.twins:
-                futs.append(await self._reply(replace(outcome, pending=twin), batch_size, inference_ms))
+                if twin.work.reply_to != outcome.pending.work.reply_to:
+                    futs.append(await self._reply(replace(outcome, pending=twin), batch_size, inference_ms))
                 tickets.append(twin.ticket)
             if self.on_answered is not None:
                 self.on_answered(outcome.pending)

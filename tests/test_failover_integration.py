@@ -85,6 +85,40 @@ async def test_a_request_read_again_gets_the_recorded_reply(deployment) -> None:
     assert "surge_replies_repeated_total 2.0" in d.workers[0].metrics()
 
 
+async def test_a_request_read_again_while_in_flight_gets_one_reply(deployment) -> None:
+    """A rebalance whose drain timed out hands a worker its own partition back: it reads records
+    again whose first copies are still in the model. Each is acked with its first copy's reply and
+    gets no second reply record (a repeat every such rebalance used to send)."""
+    d = deployment(**ECHO, echo_delay_ms="3000", cache_enabled="false", dedup_enabled="false")
+    d.worker()
+    c = await d.client()
+    fut = await c.submit(request("slow", "alice", "a question the model takes its time over"))
+    await c.producer.flush()
+    items = await d.read_topic(d.topics.work("interactive"), min_count=1)
+    producer = AIOKafkaProducer(bootstrap_servers=d.bootstrap)
+    await producer.start()
+    try:  # the same work item again while the first copy is in the model
+        await producer.send_and_wait(d.topics.work("interactive"), items[0].value, key=items[0].key)
+    finally:
+        await producer.stop()
+    (first,) = await d.replies([fut], 60)
+    assert first.status == "ok"
+    await asyncio.sleep(2.0)  # a second reply would be sent with the first
+    on_topic = [
+        r for r in await d.read_topic(d.topics.replies, min_count=1) if b'"r-slow"' in (r.value or b"")
+    ]
+    assert len(on_topic) == 1, f"{len(on_topic)} reply records for one request read twice"
+    assert len([r for r in c.replies if r.request_id == "r-slow"]) == 1
+    assert d.workers[0].status()["in_flight"] == 0
+    tp = f"{d.topics.work('interactive')}[{items[0].partition}]"
+    for _ in range(40):  # both copies acked: the group's offset passes the second one
+        if (await locate(d, []))["committed"].get(tp) == items[0].offset + 2:  # type: ignore[union-attr]
+            break
+        await asyncio.sleep(0.25)
+    else:
+        raise AssertionError(f"the second copy was never acked: {await locate(d, [])}")
+
+
 async def test_two_workers_sigterm_rolling_restart_gives_no_duplicates(deployment) -> None:
     d = deployment(**ECHO, echo_delay_ms="10", max_batch_size="8", session_timeout_s="6")
     w1 = d.worker(worker_id="a")
