@@ -97,6 +97,8 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
             if (settings.dedup_enabled or (settings.cache_enabled and settings.semantic_cache_enabled))
             else None
         )
+        if embedder is not None and settings.embed_chunk_size:
+            embedder.batch_size = settings.embed_chunk_size
         inf = inference_agent.Inference(rt, model, template, embedder, cache)
         inference_agent.register(rt, inf)
         rt.inference = inf

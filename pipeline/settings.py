@@ -213,6 +213,13 @@ class Settings(BaseSettings):
     embed_max_batch_size: int = Field(
         64, ge=1, le=1024, description="most questions embedded in one call (calls grow with the backlog)"
     )
+    embed_chunk_size: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="questions per forward pass of the embedder (a call's questions are sorted by length "
+        "and cut into chunks of this size); 0: 8 on CPU, where small chunks pad least, 64 on an accelerator",
+    )
     queue_target_ms: float = Field(
         1000.0,
         gt=0,
