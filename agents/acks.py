@@ -90,6 +90,15 @@ class Acker:
         self._idle.clear()
         return Ticket(msg.tp, ledger, msg.offset)
 
+    def is_repeat(self, event: EventT, generation: int) -> bool:
+        """Whether :meth:`track` would drop this record now: received before a rebalance, or an
+        offset already taken on this generation. Checks only; a reader calls it before waiting for
+        admission room, so repeat deliveries pass at reading speed, not at the pace of admissions."""
+        if generation != self.generation:
+            return True
+        ledger = self._ledgers.get(event.message.tp)
+        return ledger is not None and ledger.is_repeat(event.message.offset)
+
     def keep_only(self, assigned: Iterable[TP]) -> None:
         """Called on every assignment with the whole new assignment: drop the ledgers of partitions
         no longer assigned (aiokafka may assign anew without a revocation first, and a ledger of a

@@ -238,6 +238,8 @@ class Inference:
         rt = self.rt
         generation = rt.acker.generation
         await self.ready.wait()
+        if rt.acker.is_repeat(event, generation):  # dropped untouched, as track() would after the wait
+            return
         await self._wait_admit(priority)
         await rt.lifecycle.hold_if_stopping()
         # tracked only once admitted: a record still held by a waiting reader at a stop or a

@@ -64,6 +64,12 @@ class PartitionLedger(Generic[T]):
         """The offset the released run waits for next (None before the first read without a start)."""
         return self._base
 
+    def is_repeat(self, offset: int) -> bool:
+        """Whether :meth:`read` would refuse ``offset`` now (in flight here, already released, or
+        before the start); reads nothing. Lets a reader drop a repeat delivery before it waits for
+        anything (the hole check's seek delivers every record after the hole again)."""
+        return self._base is not None and (offset < self._base or offset in self._entries)
+
     def read(self, offset: int, token: T) -> bool:
         """Register a record as it is read; False for a repeat (in flight here, already released,
         or before the start), which the reader drops untouched."""

@@ -126,3 +126,21 @@ def test_the_commit_point_follows_the_released_prefix() -> None:
     assert ledger.commit_point == 42
     ledger.finish(42)
     assert ledger.commit_point == 43
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 30), st.booleans()), max_size=80),
+    st.one_of(st.none(), st.integers(0, 10)),
+)
+def test_is_repeat_tells_beforehand_what_read_refuses(
+    deliveries: list[tuple[int, bool]], start: int | None
+) -> None:
+    """A reader drops repeat deliveries before it waits for admission room (agents/inference.py):
+    ``is_repeat`` must say exactly what ``read`` would refuse, whatever was delivered, finished and
+    released before (redeliveries after seeks, records ahead of the start, late arrivals)."""
+    ledger: PartitionLedger[int] = PartitionLedger(start)
+    for off, finish_it in deliveries:
+        predicted = ledger.is_repeat(off)
+        assert predicted is (not ledger.read(off, off))
+        if not predicted and finish_it:
+            ledger.finish(off)
