@@ -75,7 +75,7 @@ class PartitionLedger(Generic[T]):
         or before the start), which the reader drops untouched."""
         if self._base is None:
             self._base = offset
-        if offset < self._base or offset in self._entries:
+        if self.is_repeat(offset):
             return False
         self._entries[offset] = [False, token]
         if self._last is None or offset > self._last:
