@@ -61,6 +61,33 @@ FILLER_PHRASES_EN: tuple[tuple[str, ...], ...] = (
     ("kindly",),
 )
 
+#: English greetings, removed only at the start of a text ("excuse me" inside a text may be meant).
+FILLER_LEADING_EN: tuple[tuple[str, ...], ...] = (
+    ("excuse", "me"),
+    ("hey", "there"),
+    ("hi", "there"),
+    ("hello", "there"),
+    ("good", "morning"),
+    ("good", "afternoon"),
+    ("good", "evening"),
+    ("dear", "support"),
+    ("dear", "team"),
+)
+
+#: English courtesies, removed only at the end of a text ("tell me if you can cancel it" keeps them).
+FILLER_TRAILING_EN: tuple[tuple[str, ...], ...] = (
+    ("thanks", "in", "advance"),
+    ("thank", "you", "in", "advance"),
+    ("many", "thanks"),
+    ("if", "you", "can"),
+    ("if", "you", "could"),
+    ("if", "possible"),
+    ("please", "help"),
+    ("please", "help", "me"),
+    ("help", "please"),
+    ("cheers",),
+)
+
 #: Chinese fillers, removed only at the start of a run of Chinese text (请 inside 申请 must stay).
 FILLER_PREFIXES_ZH: tuple[str, ...] = ("您好", "你好", "请问", "麻烦您", "麻烦你", "请")
 
@@ -91,11 +118,23 @@ class EmbeddingDimensionError(SurgeError):
 
 def _is_cjk(ch: str) -> bool:
     code = ord(ch)
-    return any(lo <= code <= hi for lo, hi in _CJK_RANGES)
+    return code >= _CJK_RANGES[0][0] and any(lo <= code <= hi for lo, hi in _CJK_RANGES)
+
+
+#: ASCII punctuation (Unicode category ``P*``; ``$+<=>^`|~`` are symbols and stay), outside a digit pair
+_ASCII_PUNCT = "".join(chr(c) for c in range(128) if unicodedata.category(chr(c)).startswith("P"))
+_ASCII_PUNCT_RE = re.compile(f"(?<!\\d)[{re.escape(_ASCII_PUNCT)}]|[{re.escape(_ASCII_PUNCT)}](?!\\d)")
 
 
 def _strip_punctuation(text: str) -> str:
     """Replace punctuation (ASCII, CJK, any Unicode ``P*``) with spaces, except between two digits."""
+    if text.isascii():  # the common case, in C
+        return _ASCII_PUNCT_RE.sub(" ", text)
+    return _strip_punctuation_chars(text)
+
+
+def _strip_punctuation_chars(text: str) -> str:
+    """:func:`_strip_punctuation` one character at a time (any text)."""
     out: list[str] = []
     last = len(text) - 1
     for i, ch in enumerate(text):
@@ -122,11 +161,37 @@ def _strip_zh_fillers(token: str) -> str:
     return token
 
 
+def _drop_edge_fillers(tokens: list[str]) -> list[str]:
+    """Drop :data:`FILLER_LEADING_EN` from the start and :data:`FILLER_TRAILING_EN` from the end."""
+    changed = True
+    while changed and tokens:
+        changed = False
+        for phrase in FILLER_LEADING_EN:
+            if tuple(tokens[: len(phrase)]) == phrase and len(tokens) > len(phrase):
+                tokens, changed = tokens[len(phrase) :], True
+        for phrase in FILLER_TRAILING_EN:
+            if tuple(tokens[-len(phrase) :]) == phrase and len(tokens) > len(phrase):
+                tokens, changed = tokens[: -len(phrase)], True
+    return tokens
+
+
+#: the phrases of :data:`FILLER_PHRASES_EN` by their first word, longest first
+_FILLERS_BY_FIRST: dict[str, tuple[tuple[str, ...], ...]] = {
+    first: tuple(sorted((p for p in FILLER_PHRASES_EN if p[0] == first), key=len, reverse=True))
+    for first in {p[0] for p in FILLER_PHRASES_EN}
+}
+_EDGE_WORDS: frozenset[str] = frozenset(
+    {p[0] for p in FILLER_LEADING_EN} | {p[-1] for p in FILLER_TRAILING_EN}
+)
+
+
 def _drop_fillers(tokens: list[str]) -> list[str]:
+    if tokens and (tokens[0] in _EDGE_WORDS or tokens[-1] in _EDGE_WORDS):
+        tokens = _drop_edge_fillers(tokens)
     out: list[str] = []
     i = 0
     while i < len(tokens):
-        for phrase in FILLER_PHRASES_EN:
+        for phrase in _FILLERS_BY_FIRST.get(tokens[i], ()):
             if tuple(tokens[i : i + len(phrase)]) == phrase:
                 i += len(phrase)
                 break

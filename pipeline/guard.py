@@ -9,6 +9,9 @@ A merge is vetoed when the two texts differ in:
 
 * negation: the number of negating words (``not``, ``never``, ``don't``, ``without`` ...; Chinese
   不, 没, 别, 未, 无 ...);
+* a reported problem: one text says something went wrong (a negation, or a word of
+  :data:`PROBLEM_WORDS_EN` such as ``trouble``, ``error``, ``failed``) and the other does not
+  ("I'm having trouble verifying my identity" is not "how do I verify my identity");
 * opposite actions: the set of words drawn from :data:`OPPOSITE_ACTIONS` present in each text
   (``increase``/``decrease``, ``lock``/``unlock`` ...). One side having such a word that the other
   lacks is enough. Common function words with an opposite (``on``/``off``, ``from``/``to``) are in
@@ -18,7 +21,8 @@ A merge is vetoed when the two texts differ in:
 * the source of a movement: when both texts say "from X", X must be the same word;
 * antonyms (:data:`ANTONYMS_EN`, :data:`ANTONYMS_ZH`, by category: evaluation, price and amount,
   size, speed and time, state, direction, person): one text has one side of a pair and the other text
-  the other side ("cheap"/"expensive", "faster"/"slower", 高/低, 多/少). English degree and adverb
+  the other side ("cheap"/"expensive", "faster"/"slower", 高/低, 多/少; "charged"/"declined", a
+  payment's outcome). English degree and adverb
   forms are derived (cheaper, cheapest, quickly);
 * morphological negation: one text has a word and the other the same word with a negating prefix
   (``un-``, ``in-``, ``im-``, ``il-``, ``ir-``, ``dis-``, ``non-``: "safe"/"unsafe",
@@ -113,6 +117,8 @@ ANTONYMS_EN: dict[str, tuple[tuple[str, str], ...]] = {
         ("king", "queen"), ("adult", "child"), ("adults", "children"), ("buyer", "seller"),
         ("sender", "recipient"), ("employer", "employee"), ("landlord", "tenant"),
     ),
+    # what happened to a payment: money taken, or not taken
+    "outcome": (("charge", "decline"), ("charge", "cancel"), ("charge", "reject")),
 }  # fmt: skip
 
 #: Irregular forms of words in :data:`ANTONYMS_EN`.
@@ -126,7 +132,22 @@ ANTONYM_FORMS: dict[str, tuple[str, ...]] = {
     "win": ("won", "winning", "wins"),
     "pay": ("paid",),
     "hide": ("hidden",),
+    "charge": ("charged", "charging"),
+    "decline": ("declined", "declining"),
+    "cancel": ("cancelled", "canceled", "cancelling", "canceling", "cancellation"),
+    "reject": ("rejected", "rejecting", "rejection"),
 }
+
+#: Words that report a problem without a negating word ("I'm having trouble verifying"): a text with
+#: one of these or a negation reports that something went wrong; a text with neither asks how to do
+#: something. The two are different questions ("trouble verifying my identity" is not "how do I
+#: verify my identity"). "issue" is left out: it is also a verb ("issue a new card").
+PROBLEM_WORDS_EN: frozenset[str] = frozenset(
+    "trouble troubles problem problems error errors stuck broken fail fails failed failing failure".split()
+)
+
+#: Chinese words that report a problem, matched as substrings (问题 is left out: it also means "question").
+PROBLEM_WORDS_ZH: tuple[str, ...] = ("故障", "出错", "报错", "卡住", "失灵", "异常", "失败")
 
 #: Prefixes that negate the word they are put in front of; "safe"/"unsafe" is vetoed when one text
 #: has the word and the other the prefixed word (and not the word itself).
@@ -158,6 +179,7 @@ ANTONYMS_ZH: dict[str, tuple[tuple[str, str], ...]] = {
                   ("上升", "下降"), ("进", "出")),
     "person": (("男", "女"), ("丈夫", "妻子"), ("父亲", "母亲"), ("儿子", "女儿"), ("哥哥", "姐姐"),
                ("买家", "卖家"), ("房东", "租客")),
+    "outcome": (("扣款", "退款"),),
 }  # fmt: skip
 
 #: Chinese words in which a character of the lists above does not carry its listed sense (关于 "about",
@@ -374,6 +396,8 @@ class GuardFeatures:
     #: (antonym pair, side) taken by the text; pairs of :data:`ANTONYMS_ZH` follow those of English
     poles: frozenset[tuple[int, int]] = frozenset()
     words: frozenset[str] = frozenset()
+    #: the text reports that something went wrong: a negation or a word of :data:`PROBLEM_WORDS_EN`
+    reports_problem: bool = False
 
 
 def _canonical_number(token: str) -> str:
@@ -478,6 +502,9 @@ def features(text: str) -> GuardFeatures:
             if rest:
                 sources.add(rest[0])
 
+    problem = negations > 0 or not word_set.isdisjoint(PROBLEM_WORDS_EN)
+    if masked_zh and not problem:
+        problem = any(w in prepared for w in PROBLEM_WORDS_ZH)
     return GuardFeatures(
         negations=negations,
         actions=frozenset(actions),
@@ -489,6 +516,7 @@ def features(text: str) -> GuardFeatures:
         sources=frozenset(sources),
         poles=frozenset(poles),
         words=frozenset(word_set),
+        reports_problem=problem,
     )
 
 
@@ -547,6 +575,8 @@ def compatible(fa: GuardFeatures, fb: GuardFeatures, strict: bool = True) -> tup
     """
     if fa.negations != fb.negations:
         return False, "negation differs"
+    if fa.reports_problem != fb.reports_problem:
+        return False, "one reports a problem, the other does not"
     if strict and fa.actions != fb.actions:
         return False, "opposite actions: " + "/".join(sorted(fa.actions ^ fb.actions))
     if not strict:

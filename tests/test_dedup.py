@@ -61,6 +61,11 @@ def _unit_rows(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
         ("您好，请问怎么申请信用卡？谢谢", "怎么申请信用卡"),  # 请 inside 申请 stays
         ("我的 卡 丢了。", "我的卡丢了"),
         ("Thanks!", "thanks"),  # only fillers: kept, "thanks" is not "hello"
+        ("Excuse me, hey there, where is my card?", "where is my card"),  # greetings at the start
+        ("Where is my card if you can? Thanks in advance", "where is my card"),  # courtesies at the end
+        ("Tell me if you can cancel it", "tell me if you can cancel it"),  # not at the end: meant
+        ("Can I excuse me from the fee?", "can i excuse me from the fee"),  # not at the start
+        ("Excuse me", "excuse me"),  # only a greeting: kept
     ],
 )
 def test_normalize_examples(raw: str, expected: str) -> None:
@@ -79,11 +84,25 @@ def test_normalize_idempotent(text: str) -> None:
     assert normalize(once) == once
 
 
+@settings(max_examples=500, deadline=None)
+@given(st.text(alphabet=st.characters(max_codepoint=127), max_size=40))
+def test_ascii_fast_paths_agree_with_the_character_loop(text: str) -> None:
+    from pipeline.dedup import _strip_punctuation, _strip_punctuation_chars
+    from pipeline.pairs import language
+
+    assert _strip_punctuation(text) == _strip_punctuation_chars(text)
+    letters = [ch for ch in text if ch.isalpha()]
+    assert language(text) == "en" and all(ch.isascii() for ch in letters)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(
         st.sampled_from(
-            ["please", "thank", "you", "hi", "card", "1.5", ",", "!", "请", "谢谢", "卡", " ", "申请"]
+            [
+                *("please", "thank", "you", "hi", "card", "1.5", ",", "!", "请", "谢谢", "卡", " ", "申请"),
+                *("excuse", "me", "there", "if", "can", "in", "advance"),
+            ]
         ),
         max_size=12,
     )

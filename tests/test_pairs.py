@@ -101,6 +101,12 @@ def test_guard_vetoes_each_new_opposite_pair(row: dict[str, str]) -> None:
         ("a harmful charge", "a harmless charge", "negated by prefix: harmful/harmless"),
         ("利率高吗", "利率低吗", "antonyms: 高/低"),
         ("打开自动充值", "关闭自动充值", "opposite actions: 打开/关闭"),
+        ("I was charged at the ATM", "My payment was declined at the ATM", "antonyms: charge/decline"),
+        (
+            "I'm having trouble verifying my identity",
+            "I need to verify my identity",
+            "one reports a problem, the other does not",
+        ),
     ],
 )
 def test_guard_names_the_opposition(a: str, b: str, reason: str) -> None:
@@ -117,6 +123,11 @@ def test_guard_names_the_opposition(a: str, b: str, reason: str) -> None:
         ("需要多少钱", "需要多少费用"),  # 多少 is "how much"
         ("I want to improve my score", "I want to raise my score"),  # im- of improve does not negate
         ("Is it safe to pay online?", "Is paying online safe?"),
+        # both report that something went wrong
+        ("I'm having trouble activating my card", "I have a problem activating my card"),
+        ("My top up failed", "There was an error with my top up"),
+        ("Why was I charged twice?", "Why did you charge me twice?"),
+        ("Why was my payment declined and charged?", "My payment was charged although it was declined"),
     ],
 )
 def test_guard_lets_paraphrases_through(a: str, b: str) -> None:
