@@ -346,6 +346,60 @@ def test_surge_and_failover_fail_clearly_without_the_data(scenario: str, tmp_pat
 
 # ---- surge and failover: quick runs against the real broker ---------------------------------------
 @pytest.mark.integration
+def test_reply_reader_counts_replies_it_had_not_read_live(kafka: EmbeddedKafka) -> None:
+    """A load generator starved of CPU reads replies late; the run's count must not depend on it."""
+    import asyncio
+    import json as json_
+
+    from aiokafka import AIOKafkaProducer
+
+    from pipeline.admin import ensure_topics
+    from pipeline.devtools.bench.surge import ReplyReader
+    from pipeline.devtools.deployment import deployment_env, load_settings
+    from pipeline.topics import TopicNames
+
+    env = deployment_env(kafka.bootstrap, prefix="catchup.", app_id="catchup", data_dir="/tmp/unused")
+    t = TopicNames("catchup.")
+
+    async def main() -> tuple[int, int, dict[str, int], list[int]]:
+        await ensure_topics(load_settings(env))
+        p = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap)
+        await p.start()
+        try:
+            await p.send_and_wait(t.replies, json_.dumps({"request_id": "before"}).encode(), key=b"x")
+            reader = ReplyReader(kafka.bootstrap, t.replies)
+            await reader.start()  # from the end: "before" is not this run's
+            await p.send_and_wait(t.replies, json_.dumps({"request_id": "live"}).encode(), key=b"a")
+            for _ in range(100):
+                if "live" in reader.by_rid:
+                    break
+                await asyncio.sleep(0.1)
+            await reader.stop()
+            sent_ms = []
+            for rid in ("r1", "r2", "r2"):  # r2 twice: a repeat stays a repeat
+                md = await p.send_and_wait(
+                    t.replies, json_.dumps({"request_id": rid}).encode(), key=rid.encode()
+                )
+                sent_ms.append(md.timestamp)
+        finally:
+            await p.stop()
+        added = await reader.catch_up()
+        again = await reader.catch_up()
+        recv = [int(s.recv * 1000) for s in reader.by_rid["r1"] + reader.by_rid["r2"]]
+        return (
+            added,
+            again,
+            {k: len(v) for k, v in reader.by_rid.items()},
+            [r - s for r, s in zip(recv, sent_ms, strict=True)],
+        )
+
+    added, again, counts, skew_ms = asyncio.run(main())
+    assert counts == {"live": 1, "r1": 1, "r2": 2}, "this run's replies, each once, none from before"
+    assert added == 3 and again == 0
+    assert all(abs(x) <= 1 for x in skew_ms), "a reply read afterwards is timed by when it was produced"
+
+
+@pytest.mark.integration
 def test_trace_finds_where_an_unanswered_request_went(kafka: EmbeddedKafka) -> None:
     import asyncio
     import base64

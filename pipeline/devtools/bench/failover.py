@@ -55,6 +55,7 @@ from pipeline.devtools.bench.surge import (
     Scraper,
     Sender,
     Watch,
+    catch_up,
     class_summary,
     default_path_env,
     max_known,
@@ -394,6 +395,8 @@ async def _drive(env: BenchEnv, pool: Pool, plan: Plan, offered: Offered) -> dic
     finally:
         stop.set()
         await watch.stop()
+    if broker_failed is None:
+        await catch_up(reader, "failover")
     traced = (
         await watch.trace_unanswered()
         if broker_failed is None
@@ -564,6 +567,7 @@ def analyse(
         "acked": len(acked),
         "produce_failed": len(sender.order) - len(acked),
         "answered": sum(1 for r in acked if r.rid in by_rid),
+        "replies_read_after_the_run": reader.missed_live,
         "lost": len(lost),
         "lost_examples": [
             {

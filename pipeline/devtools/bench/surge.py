@@ -40,7 +40,7 @@ import sys
 import time
 import urllib.request
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -426,6 +426,11 @@ class ReplyReader(Background):
         self.seen: list[Seen] = []
         self.by_rid: dict[str, list[Seen]] = defaultdict(list)
         self.undecodable = 0
+        self.bootstrap, self.security = bootstrap, security
+        #: where the live loop started reading, per partition (what :meth:`catch_up` reads again from)
+        self.starts: dict[int, int] = {}
+        #: replies on the topic that the live loop had not read when it stopped (found by catch_up)
+        self.missed_live = 0
 
     async def start(self) -> None:
         from aiokafka import TopicPartition
@@ -438,8 +443,45 @@ class ReplyReader(Background):
         self.consumer.assign(tps)
         await self.consumer.seek_to_end(*tps)
         for tp in tps:
-            await self.consumer.position(tp)
+            self.starts[tp.partition] = await self.consumer.position(tp)
         await super().start()
+
+    def _keep(self, m: Any, recv: float) -> None:
+        try:
+            reply = json.loads(m.value)
+            rid = str(reply["request_id"])
+        except Exception:
+            self.undecodable += 1
+            return
+        s = Seen(rid, recv, m.partition, m.offset, int(m.timestamp or 0), reply)
+        self.seen.append(s)
+        self.by_rid[rid].append(s)
+
+    async def catch_up(self, timeout_s: float = 60.0) -> int:
+        """Called after :meth:`stop`: read the reply topic again, from where the live loop started to
+        its end now, with a fresh consumer, and keep the replies the live loop had not read (a load
+        generator starved of CPU falls behind; the count must not depend on it). Their ``recv`` is the
+        record's timestamp, when the worker produced it. Returns how many were added."""
+        from aiokafka import TopicPartition
+
+        have = {(x.partition, x.offset) for x in self.seen}
+        consumer = plain_consumer(self.bootstrap, self.security, auto_offset_reset="earliest")
+        await consumer.start()
+        added = 0
+        try:
+            tps = [TopicPartition(self.topic, p) for p in self.starts]
+            consumer.assign(tps)
+            for tp in tps:
+                consumer.seek(tp, self.starts[tp.partition])
+            async for _, m in read_to_end(consumer, tps, timeout_s):
+                if (m.partition, m.offset) not in have:
+                    self._keep(m, (m.timestamp or 0) / 1000)
+                    added += 1
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(consumer.stop(), 10)
+        self.missed_live += added
+        return added
 
     async def _loop(self) -> None:
         while True:
@@ -453,20 +495,41 @@ class ReplyReader(Background):
             now = time.time()
             for records in batch.values():
                 for m in records:
-                    try:
-                        reply = json.loads(m.value)
-                        rid = str(reply["request_id"])
-                    except Exception:
-                        self.undecodable += 1
-                        continue
-                    s = Seen(rid, now, m.partition, m.offset, int(m.timestamp or 0), reply)
-                    self.seen.append(s)
-                    self.by_rid[rid].append(s)
+                    self._keep(m, now)
 
     async def stop(self) -> None:
         await super().stop()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.consumer.stop(), 10)
+
+
+async def read_to_end(consumer: Any, tps: Sequence[Any], timeout_s: float) -> AsyncIterator[tuple[Any, Any]]:
+    """Each ``(partition, record)`` of ``tps`` (assigned to ``consumer`` and positioned) up to their end
+    offsets as they are now, or until ``timeout_s``."""
+    ends = await consumer.end_offsets(tps)
+    t_end = time.monotonic() + timeout_s
+    while time.monotonic() < t_end:
+        positions = [await consumer.position(tp) for tp in tps]
+        if all(pos >= ends[tp] for pos, tp in zip(positions, tps, strict=True)):
+            return
+        batch = await consumer.getmany(timeout_ms=500, max_records=5000)
+        for tp, records in batch.items():
+            for m in records:
+                if m.offset < ends[tp]:
+                    yield tp, m
+
+
+async def catch_up(reader: ReplyReader, scenario: str) -> None:
+    """:meth:`ReplyReader.catch_up`, said on stderr; a failure is said, never fatal to the results."""
+    try:
+        missed = await reader.catch_up()
+    except Exception as exc:
+        print(f"{scenario}: could not read the reply topic again ({exc!r})", file=sys.stderr)
+        return
+    if missed:
+        print(
+            f"{scenario}: {missed} replies were on the topic but not yet read live; counted", file=sys.stderr
+        )
 
 
 class Sender:
@@ -647,41 +710,33 @@ async def _trace(
         tps = [TopicPartition(t, p) for t in names for p in sorted(consumer.partitions_for_topic(t) or ())]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
-        ends = await consumer.end_offsets(tps)
         committed = await _committed(bootstrap, group, security) if group else {}
-        t_end = time.monotonic() + timeout_s
-        while time.monotonic() < t_end:
-            positions = [await consumer.position(tp) for tp in tps]
-            if all(pos >= ends[tp] for pos, tp in zip(positions, tps, strict=True)):
-                break
-            batch = await consumer.getmany(timeout_ms=500, max_records=5000)
-            for tp, records in batch.items():
-                for m in records:
-                    value = m.value or b""
-                    if tp.topic == topics.deadletter:
-                        with contextlib.suppress(Exception):
-                            value = base64.b64decode(json.loads(value)["raw_b64"])
-                    for needle, rid in needles.items():
-                        if needle not in value:
-                            continue
-                        where = f"{tp.topic}[{tp.partition}]@{m.offset}"
-                        w = wanted[rid]
-                        if tp.topic == topics.replies:
-                            w["replies_on_rescan"] += 1
-                        elif tp.topic == topics.requests:
-                            done = committed.get((tp.topic, tp.partition))
-                            if done is not None:
-                                where += " (committed past it)" if done > m.offset else " (not yet consumed)"
-                            w["request"].append(where)
-                        elif tp.topic == topics.deadletter:
-                            with contextlib.suppress(Exception):
-                                where += ": " + str(json.loads(m.value).get("reason"))
-                            w["deadletter"].append(where)
-                        else:
-                            done = committed.get((tp.topic, tp.partition))
-                            if done is not None:
-                                where += " (committed past it)" if done > m.offset else " (not yet consumed)"
-                            w["work"].append(where)
+        async for tp, m in read_to_end(consumer, tps, timeout_s):
+            value = m.value or b""
+            if tp.topic == topics.deadletter:
+                with contextlib.suppress(Exception):
+                    value = base64.b64decode(json.loads(value)["raw_b64"])
+            for needle, rid in needles.items():
+                if needle not in value:
+                    continue
+                where = f"{tp.topic}[{tp.partition}]@{m.offset}"
+                w = wanted[rid]
+                if tp.topic == topics.replies:
+                    w["replies_on_rescan"] += 1
+                elif tp.topic == topics.requests:
+                    done = committed.get((tp.topic, tp.partition))
+                    if done is not None:
+                        where += " (committed past it)" if done > m.offset else " (not yet consumed)"
+                    w["request"].append(where)
+                elif tp.topic == topics.deadletter:
+                    with contextlib.suppress(Exception):
+                        where += ": " + str(json.loads(m.value).get("reason"))
+                    w["deadletter"].append(where)
+                else:
+                    done = committed.get((tp.topic, tp.partition))
+                    if done is not None:
+                        where += " (committed past it)" if done > m.offset else " (not yet consumed)"
+                    w["work"].append(where)
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(consumer.stop(), 10)
@@ -964,6 +1019,7 @@ async def _drive(
         await asyncio.sleep(1.0)
     finally:
         await watch.stop()
+    await catch_up(reader, "surge")
     return {
         "trace_of_unanswered": await watch.trace_unanswered(),
         "lag": watch.lag,
@@ -1095,6 +1151,7 @@ def analyse(
     overall = exactly_once(sender.order, by_rid)
     overall["unexpected_reply_records"] = sum(len(v) for k, v in by_rid.items() if k not in sender.sent)
     overall["undecodable_reply_records"] = reader.undecodable
+    overall["replies_read_after_the_run"] = reader.missed_live
     overall["produce_failed"] = sum(1 for r in sender.order if r.acked is False)
     sustained = max((s["useful_in_window_rps"] for s in steps.values()), default=None)
     result = {
