@@ -132,6 +132,41 @@ class Acker:
         self._starts.update(starts)
         return starts
 
+    def resume_points(self, tps: Iterable[TP]) -> dict[TP, int]:
+        """Where reading of each partition must go on if the records delivered and not yet taken
+        were thrown away: the first offset not taken on (:meth:`PartitionLedger.resume_point`), or
+        this generation's start for a partition nothing was taken from yet. Partitions with neither
+        are left out (their start is sought at assignment)."""
+        points: dict[TP, int] = {}
+        for tp in tps:
+            ledger = self._ledgers.get(tp)
+            point = ledger.resume_point() if ledger is not None else self._starts.get(tp)
+            if point is not None:
+                points[tp] = point
+        return points
+
+    def reseek_soon(self, points: dict[TP, int]) -> None:
+        """Seek to ``points`` (:meth:`resume_points`) in a task, unless a rebalance comes first.
+
+        Called when Faust is about to empty every stream buffer (it does so when it resumes the
+        flow after a rebalance, docs/architecture.md "Guarantees"): without this, records a blocked
+        reader had not taken yet were gone while the fetch position stayed past them."""
+        if not points:
+            return
+        generation = self.generation
+
+        async def reseek() -> None:
+            if generation != self.generation:
+                return
+            try:
+                await asyncio.wait_for(self.app.consumer.seek_wait(points), ORACLE_TIMEOUT_S)
+            except Exception as exc:  # the hole check (check_holes) catches what this misses
+                log.warning("could not seek %d partitions back after a buffer clear (%r)", len(points), exc)
+
+        task = asyncio.get_running_loop().create_task(reseek())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def _start_of(self, tp: TP) -> int | None:
         if self.oracle is None:
             return None

@@ -17,6 +17,7 @@ from agents.runtime import Runtime
 from pipeline.admin import changelog_config
 from pipeline.app import create_app, table_store_options
 from pipeline.cache import AnswerCache
+from pipeline.compat import before_flow_resume
 from pipeline.metrics import GpuSampler, create_metrics
 from pipeline.records import now_ms
 from pipeline.replybook import ReplyBook
@@ -117,6 +118,17 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
 
     on_partitions(app.on_partitions_revoked, life.on_revoked)
     on_partitions(app.on_partitions_assigned, seek_sources)
+
+    def before_buffers_cleared() -> None:
+        # Faust empties every stream buffer when it resumes the flow after a rebalance: seek each
+        # source partition back to the first offset not taken on (docs/architecture.md, "Guarantees")
+        try:
+            assigned = [tp for tp in app.consumer.assignment() if tp.topic in life.source_topics]
+        except Exception:  # no consumer yet (the first resume comes before any assignment)
+            return
+        rt.acker.reseek_soon(rt.acker.resume_points(assigned))
+
+    before_flow_resume(app, before_buffers_cleared)
 
     @app.timer(interval=settings.commit_interval_ms / 1000)
     async def commit_released() -> None:

@@ -90,6 +90,17 @@ class PartitionLedger(Generic[T]):
         entry[0] = True
         return self._release()
 
+    def resume_point(self) -> int | None:
+        """The first offset from the next release on that was not read: where reading must go on
+        when records delivered but not yet taken were thrown away (None before the first read
+        without a start). Records after it that were read come again and are dropped as repeats."""
+        point = self._base
+        if point is None:
+            return None
+        while point in self._entries:
+            point += 1
+        return point
+
     def hole(self) -> int | None:
         """The offset the run waits for when it was never read though later ones were, else None."""
         if self._entries and self._base is not None and self._base not in self._entries:

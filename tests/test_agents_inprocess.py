@@ -240,3 +240,36 @@ async def test_a_user_over_its_rate_limit_gets_the_rate_limit_error(
         assert w.metric("surge_rate_limited_total", scope="user") == 1
         assert await w.count(w.topics.replies) == 4, "one reply per request"
         assert await w.count(w.topics.deadletter) == 0, "a refusal is no dead letter"
+
+
+async def test_records_thrown_away_when_faust_resumes_its_flow_are_read_again(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    # Faust empties every stream buffer when it resumes its flow after a rebalance. A batch reader
+    # waiting for admission (strict priority under overload) holds the rest of its partition in that
+    # buffer; without a seek back, those records were gone while the fetch position stayed past them.
+    async with inprocess(kafka, tmp_path) as w:
+        inf = w.rt.inference
+        assert inf is not None
+        admit = inf.can_admit
+        held = {"batch"}
+        inf.can_admit = lambda priority: priority not in held and admit(priority)  # type: ignore[method-assign]
+        futures = [
+            await w.client.submit(request(f"b{i}", "user-held", f"held question {i}", priority="batch"))
+            for i in range(5)
+        ]
+        await w.client.producer.flush()
+        for _ in range(100):  # the reader holds the first record; the other four wait in its buffer
+            if "batch" in inf._blocked:
+                break
+            await asyncio.sleep(0.1)
+        assert "batch" in inf._blocked, "the batch reader never waited for admission"
+        await asyncio.sleep(2.0)
+        w.rt.app.flow_control.resume()  # what Faust does at the end of a rebalance's recovery
+        held.clear()
+        inf._room.set()
+        answered = await w.replies(*futures)
+        assert sorted(r.request_id for r in answered) == [f"r-b{i}" for i in range(5)]
+        assert all(r.status == "ok" for r in answered)
+        await w.settled()
+        assert await w.count(w.topics.replies) == 5, "each request answered once"

@@ -157,3 +157,22 @@ async def test_the_worker_consumer_waits_at_most_the_fetch_wait_asked() -> None:
     finally:
         original = faust_aiokafka.AIOKafkaConsumerThread._surge_original_create_worker_consumer
         faust_aiokafka.AIOKafkaConsumerThread._create_worker_consumer = original
+
+
+def test_flow_control_resume_empties_the_stream_buffers_after_the_callback_saw_them() -> None:
+    # Faust resumes its flow at the end of every rebalance's recovery, and mode's resume() clears
+    # every managed buffer: the records in them are thrown away (agents/worker.py seeks back)
+    from mode.utils.queues import FlowControlEvent, FlowControlQueue
+
+    class App:
+        flow_control = FlowControlEvent()
+
+    app = App()
+    queue: FlowControlQueue[int] = FlowControlQueue(flow_control=app.flow_control, clear_on_resume=True)
+    queue.put_nowait(1)
+    queue.put_nowait(2)
+    seen: list[int] = []
+    compat.before_flow_resume(app, lambda: seen.append(queue.qsize()))
+    app.flow_control.resume()
+    assert seen == [2], "the callback runs before the buffers are emptied"
+    assert queue.qsize() == 0, "mode no longer empties the buffers on resume: revisit before_flow_resume"

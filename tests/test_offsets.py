@@ -144,3 +144,18 @@ def test_is_repeat_tells_beforehand_what_read_refuses(
         assert predicted is (not ledger.read(off, off))
         if not predicted and finish_it:
             ledger.finish(off)
+
+
+def test_resume_point_is_the_first_offset_not_taken_on_from_the_next_release() -> None:
+    assert PartitionLedger[None]().resume_point() is None, "no start and nothing read: unknown"
+    ledger: PartitionLedger[str] = PartitionLedger(10)
+    assert ledger.resume_point() == 10, "nothing read: the start"
+    for offset in (10, 11, 13):  # 12 was delivered but thrown away before it was taken
+        ledger.read(offset, str(offset))
+    assert ledger.resume_point() == 12
+    ledger.finish(10)
+    ledger.finish(11)
+    assert ledger.resume_point() == 12, "released offsets are behind it"
+    ledger.read(12, "12")
+    assert ledger.resume_point() == 14
+    assert not ledger.read(13, "13 again"), "what comes again after the seek is a repeat"
