@@ -165,7 +165,10 @@ def test_merging_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
     assert on["model_items"] == on["served_from"].get("model", 0) < n
     assert sum(on["served_from"].values()) == n
     assert on["merged_pairs_checked"] + on["merged_pairs_unverifiable"] == n - on["model_items"]
-    assert 0 < r["model_calls_saved"] <= r["model_calls_saved_best_possible"] + 1e-9
+    # repeats and edits alone could save half; merging different questions that mean the same may
+    # save more (the learned decision does on the full workload), but never every call
+    assert r["model_calls_saved_by_repeats_alone"] == pytest.approx(0.5, abs=0.01)
+    assert 0 < r["model_calls_saved"] < 1
     assert 0 <= on["wrong_intent_rate"] <= 1
 
 
