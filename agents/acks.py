@@ -125,10 +125,7 @@ class Acker:
             if start is not None:
                 starts[tp] = start
         if starts:
-            try:
-                await asyncio.wait_for(self.app.consumer.seek_wait(starts), 2 * ORACLE_TIMEOUT_S)
-            except Exception as exc:  # the hole check (check_holes) catches what this misses
-                log.warning("could not seek %d partitions to their starts (%r)", len(starts), exc)
+            await self._seek(starts, "to their starts", 2 * ORACLE_TIMEOUT_S)
         self._starts.update(starts)
         return starts
 
@@ -156,16 +153,20 @@ class Acker:
         generation = self.generation
 
         async def reseek() -> None:
-            if generation != self.generation:
-                return
-            try:
-                await asyncio.wait_for(self.app.consumer.seek_wait(points), ORACLE_TIMEOUT_S)
-            except Exception as exc:  # the hole check (check_holes) catches what this misses
-                log.warning("could not seek %d partitions back after a buffer clear (%r)", len(points), exc)
+            if generation == self.generation:
+                await self._seek(points, "back after a buffer clear")
 
         task = asyncio.get_running_loop().create_task(reseek())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _seek(self, points: dict[TP, int], why: str, timeout_s: float = ORACLE_TIMEOUT_S) -> None:
+        """Seek partitions and wait for it (``seek_wait``: Faust's ``seek`` would call aiokafka from
+        this thread, not the consumer's); a failure is logged, never raised."""
+        try:
+            await asyncio.wait_for(self.app.consumer.seek_wait(points), timeout_s)
+        except Exception as exc:  # the hole check (check_holes) asks again
+            log.warning("could not seek %d partitions %s (%r)", len(points), why, exc)
 
     async def _start_of(self, tp: TP) -> int | None:
         if self.oracle is None:
@@ -280,11 +281,7 @@ class Acker:
                 log.warning(
                     "%s: offset %d was never delivered; reading the partition again from it", tp, hole
                 )
-                # seek_wait, not seek: Faust's seek calls aiokafka from this thread, not the consumer's
-                try:
-                    await asyncio.wait_for(self.app.consumer.seek_wait({tp: hole}), ORACLE_TIMEOUT_S)
-                except Exception as exc:  # asked again on the next tick
-                    log.warning("could not seek %s to %d (%r)", tp, hole, exc)
+                await self._seek({tp: hole}, f"to the hole at {hole}")  # asked again on the next tick
             self._holes[key] = now
         for key in [k for k in self._holes if k not in live]:
             del self._holes[key]

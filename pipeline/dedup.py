@@ -118,23 +118,11 @@ class EmbeddingDimensionError(SurgeError):
 
 def _is_cjk(ch: str) -> bool:
     code = ord(ch)
-    return code >= _CJK_RANGES[0][0] and any(lo <= code <= hi for lo, hi in _CJK_RANGES)
-
-
-#: ASCII punctuation (Unicode category ``P*``; ``$+<=>^`|~`` are symbols and stay), outside a digit pair
-_ASCII_PUNCT = "".join(chr(c) for c in range(128) if unicodedata.category(chr(c)).startswith("P"))
-_ASCII_PUNCT_RE = re.compile(f"(?<!\\d)[{re.escape(_ASCII_PUNCT)}]|[{re.escape(_ASCII_PUNCT)}](?!\\d)")
+    return any(lo <= code <= hi for lo, hi in _CJK_RANGES)
 
 
 def _strip_punctuation(text: str) -> str:
     """Replace punctuation (ASCII, CJK, any Unicode ``P*``) with spaces, except between two digits."""
-    if text.isascii():  # the common case, in C
-        return _ASCII_PUNCT_RE.sub(" ", text)
-    return _strip_punctuation_chars(text)
-
-
-def _strip_punctuation_chars(text: str) -> str:
-    """:func:`_strip_punctuation` one character at a time (any text)."""
     out: list[str] = []
     last = len(text) - 1
     for i, ch in enumerate(text):
@@ -175,23 +163,12 @@ def _drop_edge_fillers(tokens: list[str]) -> list[str]:
     return tokens
 
 
-#: the phrases of :data:`FILLER_PHRASES_EN` by their first word, longest first
-_FILLERS_BY_FIRST: dict[str, tuple[tuple[str, ...], ...]] = {
-    first: tuple(sorted((p for p in FILLER_PHRASES_EN if p[0] == first), key=len, reverse=True))
-    for first in {p[0] for p in FILLER_PHRASES_EN}
-}
-_EDGE_WORDS: frozenset[str] = frozenset(
-    {p[0] for p in FILLER_LEADING_EN} | {p[-1] for p in FILLER_TRAILING_EN}
-)
-
-
 def _drop_fillers(tokens: list[str]) -> list[str]:
-    if tokens and (tokens[0] in _EDGE_WORDS or tokens[-1] in _EDGE_WORDS):
-        tokens = _drop_edge_fillers(tokens)
+    tokens = _drop_edge_fillers(tokens)
     out: list[str] = []
     i = 0
     while i < len(tokens):
-        for phrase in _FILLERS_BY_FIRST.get(tokens[i], ()):
+        for phrase in FILLER_PHRASES_EN:
             if tuple(tokens[i : i + len(phrase)]) == phrase:
                 i += len(phrase)
                 break

@@ -53,8 +53,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from pipeline.exceptions import SurgeError
-from pipeline.guard import features as guard_features
-from pipeline.guard import guard_allows, hard_conflict
+from pipeline.guard import action_asymmetry, guard_allows, hard_conflict
 
 __all__ = [
     "FEATURES",
@@ -133,8 +132,6 @@ def _is_han(ch: str) -> bool:
 def language(text: str) -> str:
     """``"zh"`` when at least half the letters are Han characters, ``"en"`` when at least 90 % are
     Latin (or there are none), else ``"other"`` (merged only by exact match)."""
-    if text.isascii():  # the common case, without a look at each character
-        return "en"
     letters = [ch for ch in text if ch.isalpha()]
     if not letters:
         return "en"
@@ -226,8 +223,6 @@ class Profile:
     n_units: int
     #: content units in the order of their first appearance
     order: tuple[str, ...]
-    #: the guard's opposite-action words the text names (for ``action_asymmetry``)
-    actions: frozenset[str] = frozenset()
 
 
 def _units(normalized: str, lang: str) -> list[str]:
@@ -290,7 +285,6 @@ def build_profile(text: str, idf: IdfTable) -> Profile:
         grams={h: w / norm2 for h, w in weights.items()},
         n_units=len(units),
         order=tuple(dict.fromkeys(u for u in units if u in content)),
-        actions=guard_features(text).actions,
     )
 
 
@@ -318,11 +312,6 @@ def _order_agreement(a: tuple[str, ...], b: tuple[str, ...]) -> float:
 
 def pair_features(pa: Profile, pb: Profile, cosine: float | None, max_idf: float) -> np.ndarray:
     """The :data:`FEATURES` vector of a pair (symmetric in ``pa`` and ``pb``)."""
-    return np.array(pair_feature_list(pa, pb, cosine, max_idf), dtype=np.float32)
-
-
-def pair_feature_list(pa: Profile, pb: Profile, cosine: float | None, max_idf: float) -> list[float]:
-    """:func:`pair_features` as plain floats (what :meth:`LearnedDecision.decide` feeds one head)."""
     cos = 0.0 if cosine is None else float(cosine)
     ca, cb = pa.content, pb.content
     shared = sum(w for u, w in ca.items() if u in cb)
@@ -336,22 +325,25 @@ def pair_feature_list(pa: Profile, pb: Profile, cosine: float | None, max_idf: f
     ga, gb = pa.grams, pb.grams
     char_cos = sum(ga[h] * gb[h] for h in ga.keys() & gb.keys())
     na, nb = pa.n_units, pb.n_units
-    return [
-        cos,
-        _jaccard(pa.units, pb.units),
-        overlap,
-        _jaccard(pa.bigrams, pb.bigrams),
-        char_cos,
-        unmatched_max,
-        max(mass_a, mass_b),
-        math.log1p(max(len(only_a), len(only_b))),
-        min(na, nb) / max(na, nb) if max(na, nb) else 1.0,
-        math.log1p(min(na, nb)),
-        1.0 if ca.keys() == cb.keys() else 0.0,
-        cos * overlap,
-        _order_agreement(pa.order, pb.order),
-        float(len(pa.actions ^ pb.actions)),
-    ]
+    return np.array(
+        [
+            cos,
+            _jaccard(pa.units, pb.units),
+            overlap,
+            _jaccard(pa.bigrams, pb.bigrams),
+            char_cos,
+            unmatched_max,
+            max(mass_a, mass_b),
+            math.log1p(max(len(only_a), len(only_b))),
+            min(na, nb) / max(na, nb) if max(na, nb) else 1.0,
+            math.log1p(min(na, nb)),
+            1.0 if ca.keys() == cb.keys() else 0.0,
+            cos * overlap,
+            _order_agreement(pa.order, pb.order),
+            float(action_asymmetry(pa.text, pb.text)),
+        ],
+        dtype=np.float32,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -530,9 +522,9 @@ class LearnedDecision:
         h = self.heads[head]
         if head == "en" and (cosine or 0.0) < h.cosine_floor:
             return Verdict(False, 0.0, cosine or 0.0, "below the cosine floor")
-        x = pair_feature_list(pa, pb, cosine, self.idf.max_idf)
-        similarity = x[0] if head == "en" else x[4]
-        p = h.probability(x)
+        x = pair_features(pa, pb, cosine, self.idf.max_idf)
+        similarity = float(x[0]) if head == "en" else float(x[4])
+        p = h.probability(x.tolist())
         if p < h.threshold:
             return Verdict(False, p, similarity, f"model {head}: {p:.3f} < {h.threshold:.3f}")
         why = hard_conflict(a, b)

@@ -84,17 +84,6 @@ def test_normalize_idempotent(text: str) -> None:
     assert normalize(once) == once
 
 
-@settings(max_examples=500, deadline=None)
-@given(st.text(alphabet=st.characters(max_codepoint=127), max_size=40))
-def test_ascii_fast_paths_agree_with_the_character_loop(text: str) -> None:
-    from pipeline.dedup import _strip_punctuation, _strip_punctuation_chars
-    from pipeline.pairs import language
-
-    assert _strip_punctuation(text) == _strip_punctuation_chars(text)
-    letters = [ch for ch in text if ch.isalpha()]
-    assert language(text) == "en" and all(ch.isascii() for ch in letters)
-
-
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(
