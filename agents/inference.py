@@ -450,6 +450,8 @@ class Inference:
             done.append(
                 Outcome(pending, answer, "cache", entry.request_id, decision.similarity, entry.model_version)
             )
+            if pending.cache_key is not None and rules.uses_cache(pending.work):
+                self._remember(pending, entry, decision.similarity)
         elif isinstance(decision, Templated):
             templated.append(pending)
         elif isinstance(decision, Refused):
@@ -609,7 +611,8 @@ class Inference:
                 if isinstance(res, ModelOutput)
                 else Outcome.error(pending, res)
             )
-            for follower, sim in self.merges.close(pending.lead_id):
+            followers = self.merges.close(pending.lead_id)
+            for follower, sim in followers:
                 m.merged.inc()
                 done.append(
                     Outcome(follower, res, "merged", pending.req_id, sim)
@@ -617,13 +620,33 @@ class Inference:
                     else Outcome.error(follower, res)
                 )
             if isinstance(res, ModelOutput) and pending.cache_key and self.cache is not None:
-                self._store(pending, res)
+                entry = self._entry(pending, res)
+                self._put(pending, entry)
+                for follower, sim in followers:
+                    self._remember(follower, entry, sim)
         await self.replies.send(done, batch_size=len(batch), inference_ms=seconds * 1000)
 
-    def _store(self, pending: Pending, res: ModelOutput) -> None:
-        """Put a model answer in the shared cache; a cache failure never costs the reply."""
+    def _remember(self, pending: Pending, entry: CachedAnswer, similarity: float) -> None:
+        """Store the answer a merged or semantically cached request got under its own exact key, so
+        that its repeats get the same answer at intake (docs/architecture.md, "Semantic dedup")."""
+        if self.cache is None or pending.cache_key is None or not self.rt.settings.semantic_cache_enabled:
+            return
+        remembered = entry.remembered_as(pending.inp.text, similarity)
+        if remembered is not None:
+            self._put(pending, remembered)
+
+    def _put(self, pending: Pending, entry: CachedAnswer) -> None:
+        """Write one cache entry in ``pending``'s event context; a cache failure never costs the reply."""
         assert self.cache is not None and pending.cache_key is not None
-        entry = CachedAnswer(
+        try:
+            with event_context(pending.event):
+                self.cache.put(pending.cache_key, entry)
+        except Exception:
+            log.exception("could not store the answer of %s in the cache", pending.req_id)
+
+    def _entry(self, pending: Pending, res: ModelOutput) -> CachedAnswer:
+        """The cache entry of a model answer."""
+        return CachedAnswer(
             answer=res.answer,
             finish_reason=res.finish_reason,
             model_version=self.model.version,
@@ -635,11 +658,6 @@ class Inference:
             if pending.vector is not None and self._semantic_ok(pending)
             else None,
         )
-        try:
-            with event_context(pending.event):
-                self.cache.put(pending.cache_key, entry)
-        except Exception:
-            log.exception("could not store the answer of %s in the cache", pending.req_id)
 
 
 def _ewma(old: float, new: float, alpha: float = 0.2) -> float:

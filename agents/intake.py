@@ -177,6 +177,9 @@ class Intake:
                     answer=hit.answer,
                     finish_reason=hit.finish_reason,
                     served_from="cache",
+                    # a remembered merge names the request whose model call answered it, as the merge did
+                    merged_into=hit.request_id if hit.remembered else None,
+                    similarity=hit.similarity,
                     model_version=hit.model_version,
                     priority=req.priority,
                     timings=Timings(total_ms=max(0, now - created)),

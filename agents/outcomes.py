@@ -122,7 +122,7 @@ class ReplyWriter:
                 logprobs=res.logprobs if pending.inp.logprobs else None,
                 served_from=outcome.source,
                 merged_into=outcome.merged_into,
-                similarity=round(outcome.similarity, 4) if outcome.similarity is not None else None,
+                similarity=outcome.similarity,
                 degradation_level=pending.level,
                 model_version=outcome.model_version or self.model.version,
                 priority=work.priority,

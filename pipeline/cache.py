@@ -15,6 +15,12 @@ The semantic layer can accept a cached answer by the same merge decision live me
 (:mod:`pipeline.pairs`, see docs/architecture.md "Semantic dedup"): candidates come from the vector
 index (cosine at least the decision's floor) and, for Chinese questions, which MiniLM cannot embed,
 from a lexical index of character bigrams.
+
+A merge is remembered (:meth:`CachedAnswer.remembered_as`): a request answered by another's model call
+(merged into it, or served from the semantic layer) stores that answer under its own exact key, so its
+repeats get the same answer at intake. Such an entry carries the similarity of that merge and is found
+by its exact key only, never indexed: a merge is decided against a question the model answered, so
+merges never chain.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from pipeline.dedup import SemanticIndex
+from pipeline.dedup import SemanticIndex, normalize
 from pipeline.pairs import MergeDecision, lexical_keys
 
 #: Candidates a semantic lookup hands to the merge decision, from each index.
@@ -43,6 +49,30 @@ class CachedAnswer:
     text: str
     request_id: str
     vector: list[float] | None = None
+    #: set on a remembered merge: ``text`` got the answer of ``request_id``'s model call at this similarity
+    similarity: float | None = None
+
+    @property
+    def remembered(self) -> bool:
+        """A remembered merge: found by its exact key only, never indexed."""
+        return self.similarity is not None
+
+    def remembered_as(self, text: str, similarity: float) -> CachedAnswer | None:
+        """This answer stored for ``text``, which was merged into (or served from) this entry at
+        ``similarity``; None when ``text`` has this entry's own normal form (its key is this entry's).
+        Keeps ``created_ms``, so the remembered merge expires with the answer."""
+        if normalize(text) == normalize(self.text):
+            return None
+        return CachedAnswer(
+            answer=self.answer,
+            finish_reason=self.finish_reason,
+            model_version=self.model_version,
+            created_ms=self.created_ms,
+            scope=self.scope,
+            text=text,
+            request_id=self.request_id,
+            similarity=similarity,
+        )
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -113,7 +143,7 @@ class AnswerCache:
         with self._lock:
             hit = self._get(key, write=False)
             if hit is not None:
-                return hit, 1.0
+                return hit, hit.similarity if hit.similarity is not None else 1.0
             if decision is None:
                 return None
             return self._decide(scope, vector, text, decision)
@@ -259,7 +289,7 @@ class AnswerCache:
             entry = CachedAnswer.from_dict(raw)
         except TypeError:
             return False
-        if entry.vector is None and not lexical_keys(entry.text):
+        if entry.remembered or (entry.vector is None and not lexical_keys(entry.text)):
             return False
         if not self._fresh(entry, self.clock_ms()):
             return False
@@ -296,6 +326,8 @@ class AnswerCache:
             }
 
     def _index(self, key: str, entry: CachedAnswer) -> None:
+        if entry.remembered:  # found by its exact key only: merges never chain
+            return
         self._index_lexical(key, entry)
         if entry.vector is not None and key not in self._indexed:
             if self.index is None:

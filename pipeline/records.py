@@ -155,6 +155,12 @@ class InferenceReply(BaseModel):
     priority: Priority | None = None
     timings: Timings = Timings()
 
+    @field_validator("similarity")
+    @classmethod
+    def _four_decimals(cls, v: float | None) -> float | None:
+        """Similarity to four decimals, whichever stage answered (a remembered merge repeats it)."""
+        return None if v is None else round(v, 4)
+
 
 class DeadLetter(BaseModel):
     """A record surge could not process, for operators (``surge.deadletter``)."""

@@ -375,3 +375,57 @@ def test_many_small_scopes_cost_about_their_vectors() -> None:
         idx.add(f"scope-{i}", f"k{i}", rng.normal(size=384).astype(np.float32))
     held = sum(m.nbytes for m in idx._matrix.values())
     assert held == 2_000 * 384 * 4
+
+
+# ---- remembered merges ----------------------------------------------------------------------------
+def test_a_remembered_merge_is_found_by_its_exact_key_with_the_merge_it_records() -> None:
+    cache, store, clock = make(ttl_s=10.0)
+    leader = answer("a", clock=clock, vector=E1, text="How do I reset my card PIN?")
+    cache.put("a", leader)
+    clock.advance(4_000)
+    follower = leader.remembered_as("Hi, how can I reset the PIN of my card?", 0.93)
+    assert follower is not None and follower.remembered
+    assert (follower.answer, follower.request_id, follower.created_ms) == (
+        leader.answer,
+        "req-a",
+        leader.created_ms,
+    ), "the answer of the leader's model call, expiring with it"
+    cache.put("f", follower)
+    hit = cache.get_exact("f")
+    assert hit is not None and hit.request_id == "req-a" and hit.similarity == 0.93
+    found = cache.lookup("f", SCOPE_A, None, "Hi, how can I reset the PIN of my card?", None)
+    assert found is not None and found[1] == 0.93, "an exact hit on a remembered merge keeps its similarity"
+    clock.advance(7_000)
+    assert cache.get_exact("f") is None and "f" not in store, "a remembered merge expires with its answer"
+
+
+class Anything:
+    """Merges every candidate it is shown: what a lookup finds is what the indexes hold."""
+
+    name = "anything"
+    cosine_floor = -1.0
+
+    def decide(self, a: str, b: str, cosine: float | None) -> Verdict:
+        return Verdict(True, 1.0, cosine or 0.0, "anything")
+
+
+def test_a_remembered_merge_is_never_indexed_so_merges_do_not_chain() -> None:
+    cache, store, clock = make()
+    leader = answer("a", clock=clock, vector=E1, text="How do I reset my card PIN?")
+    cache.put("a", leader)
+    remembered = leader.remembered_as("我的银行卡密码怎么重置", 0.9)  # a text the lexical index would read
+    assert remembered is not None
+    cache.put("f", remembered)
+    assert cache.index is not None and cache.index.size(SCOPE_A) == 1
+    assert cache.lookup("x", SCOPE_A, None, "我的银行卡密码怎么重置呢", Anything()) is None
+    other, _, _ = make(store=store)
+    assert other.learn("f", store["f"]) is False, "another worker does not index it either"
+    other.sync()
+    assert other.index is not None and other.index.size(SCOPE_A) == 1
+    assert other.lookup("x", SCOPE_A, None, "我的银行卡密码怎么重置呢", Anything()) is None
+
+
+def test_a_request_with_the_leaders_own_normal_form_is_not_remembered() -> None:
+    _, _, clock = make()
+    leader = answer("a", clock=clock, text="How do I reset my card PIN?")
+    assert leader.remembered_as("how do i reset my card pin", 1.0) is None

@@ -108,3 +108,57 @@ async def test_cache_survives_a_worker_restart_and_never_crosses_tenants(deploym
         request("c6", "u6", "How do I order a new chequebook?", tenant="bank-a", cache=False), 60
     )
     assert private.served_from == "model", "cache: false never reads the shared cache"
+
+
+def exact_hits(metrics: str) -> float:
+    """Exact-layer cache hits: the requests intake answered before any embedding."""
+    for line in metrics.splitlines():
+        if (
+            line.startswith("surge_cache_lookups_total")
+            and 'layer="exact"' in line
+            and 'result="hit"' in line
+        ):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def test_a_merged_request_asked_again_gets_the_same_answer_from_intake(deployment) -> None:
+    """A request answered by another's model call (merged in flight, or from the semantic layer) is
+    remembered under its own exact key: asked again, intake answers it with the same answer and names
+    the same leader, and nothing is embedded or computed again."""
+    d = deployment(model="echo", echo_delay_ms="400", rate_limit_enabled="false", **RELAXED)
+    w = d.worker()
+    c = await d.client()
+    # in flight: the follower arrives while its leader's model call runs
+    texts = {
+        "r-lead": "How do I order a new chequebook?",
+        "r-follow": "Hi, how can I order a new chequebook please?",
+    }
+    futs = [await c.submit(request(rid[2:], f"u-{rid}", text)) for rid, text in texts.items()]
+    await c.producer.flush()
+    pair = sorted(await d.replies(futs, 60), key=lambda r: r.served_from or "")
+    follower, leader = pair  # "merged" sorts before "model"; either may have been read first
+    assert leader.served_from == "model"
+    assert follower.served_from == "merged" and follower.merged_into == leader.request_id, follower
+    # from the semantic layer: the leader is answered before this one arrives
+    first = await c.request(request("fee", "u3", "What is the fee for an international transfer?"), 60)
+    near = await c.request(request("near", "u4", "Hello, what's the fee for an international transfer?"), 60)
+    assert first.served_from == "model"
+    assert near.served_from == "cache" and near.merged_into == "r-fee" and near.similarity is not None, near
+    items, hits = model_items(w.metrics()), exact_hits(w.metrics())
+
+    edited = "  " + texts[follower.request_id].upper().rstrip("?") + " "
+    again = await c.request(request("again", "u5", edited), 60)
+    assert (again.served_from, again.merged_into, again.answer) == ("cache", leader.request_id, leader.answer)
+    assert again.similarity == follower.similarity
+    near_again = await c.request(
+        request("near-again", "u6", "hello, what's the fee for an international transfer"), 60
+    )
+    assert (near_again.served_from, near_again.merged_into, near_again.answer) == (
+        "cache",
+        "r-fee",
+        first.answer,
+    )
+    assert near_again.similarity == near.similarity
+    assert exact_hits(w.metrics()) == hits + 2, "both must be answered at intake, from the exact layer"
+    assert model_items(w.metrics()) == items
