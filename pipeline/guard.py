@@ -7,7 +7,7 @@ semantic-cache hit. Exact normalised matches do not consult it.
 
 A merge is vetoed when the two texts differ in:
 
-* negation: the number of negating words (``not``, ``never``, ``don't``, ``without`` ...; Chinese
+* negation: the number of negating words (``not``, ``never``, ``don't``, ``without``, ``yet to`` ...; Chinese
   不, 没, 别, 未, 无 ...);
 * a reported problem: one text says something went wrong (a negation, or a word of
   :data:`PROBLEM_WORDS_EN` such as ``trouble``, ``error``, ``failed``) and the other does not
@@ -15,8 +15,9 @@ A merge is vetoed when the two texts differ in:
 * opposite actions: the set of words drawn from :data:`OPPOSITE_ACTIONS` present in each text
   (``increase``/``decrease``, ``lock``/``unlock`` ...). One side having such a word that the other
   lacks is enough. Common function words with an opposite (``on``/``off``, ``from``/``to``) are in
-  :data:`WEAK_OPPOSITES` and veto only when one text has one side and the other the other side;
-* numbers (digits and number words, as a multiset), currencies, percent, dates (months, weekdays,
+  :data:`WEAK_OPPOSITES` and veto only when one text has one side and the other the other side ("to"
+  after a word of :data:`INFINITIVE_GOVERNORS`, "like to pay", marks an infinitive and does not count);
+* numbers (digits and number words, as a multiset; "two times" reads as "twice"), currencies, percent, dates (months, weekdays,
   relative days) and account references (masked numbers like ``****1234``, IBAN-like tokens);
 * the source of a movement: when both texts say "from X", X must be the same word;
 * antonyms (:data:`ANTONYMS_EN`, :data:`ANTONYMS_ZH`, by category: evaluation, price and amount,
@@ -42,6 +43,7 @@ word lists are module-level constants: extend them there.
 
 from __future__ import annotations
 
+import itertools
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -255,6 +257,18 @@ NUMBER_WORDS: dict[str, str] = {
     "triple": "x3",
 }  # fmt: skip
 
+#: Words after which "to" marks an infinitive ("I'd like to pay", "how long do I have to wait"), not a
+#: direction: such a "to" is not the weak opposite of "from".
+INFINITIVE_GOVERNORS: frozenset[str] = frozenset(
+    (
+        "want wants wanted wanting like liked love would need needs needed have has had having able "
+        "unable how try tries tried trying going wish hope hoping plan planning planned decide decided "
+        "allowed possible impossible way forgot forget attempt attempted attempting supposed used meant "
+        "ought easy hard required necessary time what where which whether order seem seems seemed "
+        "appear appears manage managed enough permitted eligible due according"
+    ).split()
+)
+
 #: Words skipped when reading what follows "from" ("from my savings" -> "savings").
 DETERMINERS: frozenset[str] = frozenset(
     {"my", "the", "a", "an", "your", "our", "his", "her", "their", "this", "that"}
@@ -294,6 +308,7 @@ DATE_WORDS: dict[str, str] = {
 
 _WORD_RE = re.compile(r"[^\W\d_]+(?:['-][^\W\d_]+)*")
 _NUMBER_RE = re.compile(r"\d+(?:[.,]\d+)*")
+_TIMES_RE = re.compile(r"(?<![\w.,])(\d+|[^\W\d_]+) times\b")
 _DATE_RE = re.compile(r"\d+(?:[/-]\d+)+|\d{1,2}\.\d{1,2}\.\d{2,4}\b")
 _MASKED_RE = re.compile(r"(?:[*•#]|x(?=[x\d])){2,}\s?(\d{2,})")
 _TOKEN_RE = re.compile(r"[\w*•#]+")
@@ -448,6 +463,8 @@ def features(text: str) -> GuardFeatures:
     word_set = set(words)
 
     negations = sum(1 for w in words if w in NEGATIONS_EN or w.endswith("n't"))
+    # "I have yet to get my PIN" says what "I haven't got my PIN" says
+    negations += sum(1 for w, nxt in itertools.pairwise(words) if w == "yet" and nxt == "to")
     # the Chinese lists are matched as substrings: only worth it when there is a Han character
     masked_zh = ""
     if _HAN_RE.search(prepared) is not None:
@@ -477,6 +494,12 @@ def features(text: str) -> GuardFeatures:
     numbers += [_canonical_number(n) for n in _NUMBER_RE.findall(_DATE_RE.sub(" ", prepared))]
     numbers += [NUMBER_WORDS[w] for w in words if w in NUMBER_WORDS]
     numbers += ["zh:" + run for run in _ZH_NUMERAL_RE.findall(prepared)]
+    # "two times" is "twice": a count of times reads as a multiple
+    for token in _TIMES_RE.findall(spaced):
+        value = NUMBER_WORDS.get(token) or (_canonical_number(token) if token.isdigit() else None)
+        if value is not None and value in numbers:
+            numbers.remove(value)
+            numbers.append("x" + value)
 
     currencies = {CURRENCIES[w] for w in words if w in CURRENCIES}
     currencies |= {CURRENCIES[ch] for ch in prepared if ch in CURRENCIES}
@@ -508,7 +531,11 @@ def features(text: str) -> GuardFeatures:
     return GuardFeatures(
         negations=negations,
         actions=frozenset(actions),
-        weak=frozenset(word_set & _WEAK_WORDS),
+        weak=frozenset(
+            w
+            for i, w in enumerate(words)
+            if w in _WEAK_WORDS and not (w == "to" and i > 0 and words[i - 1] in INFINITIVE_GOVERNORS)
+        ),
         numbers=tuple(sorted(numbers)),
         currencies=frozenset(currencies),
         dates=frozenset(dates),

@@ -148,6 +148,11 @@ def test_every_opposite_pair_is_vetoed() -> None:
         ("Send 1,000 EUR", "Send 1000 euros"),
         ("My card has not arrived yet", "My card still hasn't arrived"),
         ("Where is my refund?", "I'm waiting for my refund"),
+        # "yet to" negates; "two times" is "twice"; an infinitive "to" is no direction
+        ("My card has yet to arrive", "My card hasn't arrived"),
+        ("I was charged twice for one payment", "I was charged two times for one payment"),
+        ("I'd like to pay with my credit card", "Can I pay from my credit card?"),
+        ("How long do I have to wait for a transfer from the US?", "Transfers from the US: how long?"),
     ],
 )
 def test_guard_allows_paraphrases(a: str, b: str) -> None:
