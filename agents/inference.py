@@ -614,6 +614,8 @@ class Inference:
             followers = self.merges.close(pending.lead_id)
             for follower, sim in followers:
                 m.merged.inc()
+                # the level its answer was made at: the leader may have been re-planned higher
+                follower.level = pending.level
                 done.append(
                     Outcome(follower, res, "merged", pending.req_id, sim)
                     if isinstance(res, ModelOutput)
@@ -631,7 +633,7 @@ class Inference:
         that its repeats get the same answer at intake (docs/architecture.md, "Semantic dedup")."""
         if self.cache is None or pending.cache_key is None or not self.rt.settings.semantic_cache_enabled:
             return
-        remembered = entry.remembered_as(pending.inp.text, similarity)
+        remembered = entry.remembered_as(pending.inp.text, similarity, pending.scope)
         if remembered is not None:
             self._put(pending, remembered)
 

@@ -57,11 +57,13 @@ class CachedAnswer:
         """A remembered merge: found by its exact key only, never indexed."""
         return self.similarity is not None
 
-    def remembered_as(self, text: str, similarity: float) -> CachedAnswer | None:
-        """This answer stored for ``text``, which was merged into (or served from) this entry at
-        ``similarity``; None when ``text`` has this entry's own normal form (its key is this entry's).
-        Keeps ``created_ms``, so the remembered merge expires with the answer."""
-        if normalize(text) == normalize(self.text):
+    def remembered_as(self, text: str, similarity: float, scope: str) -> CachedAnswer | None:
+        """This answer stored for ``text`` of ``scope``, which was merged into (or served from) this
+        entry at ``similarity``. None when ``text`` has this entry's own normal form (its key is this
+        entry's), or when the answer was made in another scope (a leader re-planned at a higher
+        degradation level after its followers joined: its capped answer must not be cached for the
+        parameters they asked). Keeps ``created_ms``, so the remembered merge expires with the answer."""
+        if scope != self.scope or normalize(text) == normalize(self.text):
             return None
         return CachedAnswer(
             answer=self.answer,

@@ -383,7 +383,7 @@ def test_a_remembered_merge_is_found_by_its_exact_key_with_the_merge_it_records(
     leader = answer("a", clock=clock, vector=E1, text="How do I reset my card PIN?")
     cache.put("a", leader)
     clock.advance(4_000)
-    follower = leader.remembered_as("Hi, how can I reset the PIN of my card?", 0.93)
+    follower = leader.remembered_as("Hi, how can I reset the PIN of my card?", 0.93, SCOPE_A)
     assert follower is not None and follower.remembered
     assert (follower.answer, follower.request_id, follower.created_ms) == (
         leader.answer,
@@ -413,7 +413,7 @@ def test_a_remembered_merge_is_never_indexed_so_merges_do_not_chain() -> None:
     cache, store, clock = make()
     leader = answer("a", clock=clock, vector=E1, text="How do I reset my card PIN?")
     cache.put("a", leader)
-    remembered = leader.remembered_as("我的银行卡密码怎么重置", 0.9)  # a text the lexical index would read
+    remembered = leader.remembered_as("我的银行卡密码怎么重置", 0.9, SCOPE_A)  # the lexical index reads it
     assert remembered is not None
     cache.put("f", remembered)
     assert cache.index is not None and cache.index.size(SCOPE_A) == 1
@@ -425,7 +425,11 @@ def test_a_remembered_merge_is_never_indexed_so_merges_do_not_chain() -> None:
     assert other.lookup("x", SCOPE_A, None, "我的银行卡密码怎么重置呢", Anything()) is None
 
 
-def test_a_request_with_the_leaders_own_normal_form_is_not_remembered() -> None:
+def test_what_is_not_remembered() -> None:
     _, _, clock = make()
     leader = answer("a", clock=clock, text="How do I reset my card PIN?")
-    assert leader.remembered_as("how do i reset my card pin", 1.0) is None
+    assert leader.remembered_as("how do i reset my card pin", 1.0, SCOPE_A) is None, "the leader's own key"
+    assert leader.remembered_as("Hi, how can I reset my PIN?", 0.95, SCOPE_B) is None, (
+        "an answer made under other parameters (a leader degraded after its followers joined)"
+    )
+    assert leader.remembered_as("Hi, how can I reset my PIN?", 0.95, SCOPE_A) is not None
