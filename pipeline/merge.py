@@ -56,6 +56,10 @@ class MergeRegistry:
     def __len__(self) -> int:
         return len(self._leaders)
 
+    def followers(self) -> int:
+        """Requests waiting on an open leader (the inference agent's status)."""
+        return sum(len(leader.followers) for leader in self._leaders.values())
+
     def find_verdict(
         self, scope: str, text: str, vector: np.ndarray | None, rank: int
     ) -> tuple[Leader, Verdict] | None:

@@ -273,3 +273,47 @@ async def test_records_thrown_away_when_faust_resumes_its_flow_are_read_again(
         assert all(r.status == "ok" for r in answered)
         await w.settled()
         assert await w.count(w.topics.replies) == 5, "each request answered once"
+
+
+async def test_followers_of_a_leader_degraded_while_queued_say_so_and_are_not_remembered(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    """A follower gets the answer its leader's model call made: when the level rose while the two
+    waited, the leader is re-planned (logprobs dropped at level 1) and the follower's reply carries
+    that level, and its answer is not remembered for the parameters it asked (logprobs on)."""
+    env = {
+        "dedup_enabled": "true",
+        "semantic_cache_enabled": "true",
+        "echo_delay_ms": "3000",
+        "max_wait_ms": "5",
+    }
+    async with inprocess(kafka, tmp_path, **env) as w:
+        inf = w.rt.inference
+        busy = await w.client.submit(request("busy", "u0", "a question that keeps the model busy"))
+        await w.client.producer.flush()
+        await asyncio.sleep(0.5)  # its batch runs for 3 s; what comes now waits in the queue
+        texts = ["How do I order a new chequebook?", "Hi, how can I order a new chequebook please?"]
+        pair = [await w.client.submit(request(k, f"u{k}", t, logprobs=True)) for k, t in enumerate(texts)]
+        await w.client.producer.flush()
+        for _ in range(100):  # until one has joined the other, both planned at level 0
+            if inf.merges.followers():
+                break
+            await asyncio.sleep(0.02)
+        assert inf.merges.followers() == 1 and inf.batcher.depth == 1, "a queued leader and its follower"
+        inf._level = lambda: 1  # the level rose before their batch is popped
+        (busy_reply,) = await w.replies(busy)
+        replies = sorted(await w.replies(*pair), key=lambda r: r.served_from or "")
+        follower, leader = replies  # "merged" sorts before "model"
+        assert (leader.served_from, follower.served_from) == ("model", "merged"), replies
+        assert follower.merged_into == leader.request_id
+        assert leader.degradation_level == 1 and leader.logprobs is None
+        assert follower.degradation_level == 1, "the follower's answer was made at level 1"
+        assert follower.answer == leader.answer and follower.logprobs is None
+        hits = w.metric("surge_cache_lookups_total", layer="exact", result="hit")
+        again = texts[int(follower.request_id[-1])].upper()
+        (repeat,) = await w.replies(await w.client.submit(request("again", "u9", again, logprobs=True)))
+        assert w.metric("surge_cache_lookups_total", layer="exact", result="hit") == hits, (
+            "a level-1 answer must not be remembered for a request that asked for logprobs",
+            repeat,
+        )
+        assert busy_reply.status == "ok"

@@ -123,11 +123,11 @@ def test_close_returns_followers_and_removes_the_leader(reg: MergeRegistry) -> N
         found = reg.find(S1, text, vec, INTERACTIVE)
         assert found is not None and found[0] is leader
         found[0].followers.append((item, found[1]))
-    assert reg.get("r1") is leader and len(reg) == 2
+    assert reg.get("r1") is leader and len(reg) == 2 and reg.followers() == 2
     followers = reg.close("r1")
     assert [f for f, _ in followers] == ["f1", "f2"]
     assert followers[0][1] == 1.0 and followers[1][1] == pytest.approx(float(V @ CLOSE), abs=1e-6)
-    assert reg.get("r1") is None and len(reg) == 1
+    assert reg.get("r1") is None and len(reg) == 1 and reg.followers() == 0
     assert reg.find(S1, "how do I top up my card", V, INTERACTIVE) is None
     assert reg.close("r1") == []  # closing twice is harmless
     assert reg.close("never-opened") == []
