@@ -182,6 +182,7 @@ class Inference:
             "arrivals_waiting": {priority: len(waiting) for priority, waiting in self._arrivals.items()},
             "blocked_classes": sorted(self._blocked),
             "open_leaders": len(self.merges),
+            "followers_waiting": self.merges.followers(),
             "in_flight": len(self._inflight),
             "model_calls": self.model_calls,
             "embed_calls": self.embed_calls,

@@ -134,7 +134,7 @@ async def test_the_followers_of_a_failed_leader_get_its_error_never_silence(depl
     assert sum(r.merged_into is not None for r in poisoned) == 0, "an error names no leader"
     assert replies["r-ok"].status == "ok"
     status = d.workers[0].status()
-    assert status["open_leaders"] == 0 and status["in_flight"] == 0
+    assert status["open_leaders"] == 0 and status["followers_waiting"] == 0 and status["in_flight"] == 0
     merged = sum(v for (name, _), v in d.metrics().items() if name == "surge_merged_total")
     assert merged >= 1, "the identical poisoned requests were merged into a leader, not each computed"
 
