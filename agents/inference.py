@@ -451,8 +451,7 @@ class Inference:
             done.append(
                 Outcome(pending, answer, "cache", entry.request_id, decision.similarity, entry.model_version)
             )
-            if pending.cache_key is not None and rules.uses_cache(pending.work):
-                self._remember(pending, entry, decision.similarity)
+            self._remember(pending, entry, decision.similarity)
         elif isinstance(decision, Templated):
             templated.append(pending)
         elif isinstance(decision, Refused):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, MutableMapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -65,16 +65,7 @@ class CachedAnswer:
         parameters they asked). Keeps ``created_ms``, so the remembered merge expires with the answer."""
         if scope != self.scope or normalize(text) == normalize(self.text):
             return None
-        return CachedAnswer(
-            answer=self.answer,
-            finish_reason=self.finish_reason,
-            model_version=self.model_version,
-            created_ms=self.created_ms,
-            scope=self.scope,
-            text=text,
-            request_id=self.request_id,
-            similarity=similarity,
-        )
+        return replace(self, text=text, vector=None, similarity=similarity)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
