@@ -219,6 +219,47 @@ async def test_a_redelivered_request_gets_the_recorded_reply_byte_for_byte(
         assert w.metric("surge_batch_size_count") == 1
 
 
+async def test_a_reply_is_sent_only_once_its_reply_book_record_is_on_the_broker(
+    kafka: EmbeddedKafka, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reply visible before its record would, after a SIGKILL in between, leave the client a reply
+    the next owner of the request cannot find: it would compute another (a different one when the
+    deadline has passed by then). The reply book's changelog sends are held here; the replies of a
+    model answer and of an intake cache hit wait for them, then go out byte for byte as recorded."""
+    async with inprocess(kafka, tmp_path) as w:
+        (warm,) = await w.replies(await w.client.submit(request("warm", "carol", "say it once")))
+        assert warm.status == "ok"
+        changelog = w.rt.book_table.table.changelog_topic if w.rt.book_table else None
+        assert changelog is not None
+        release = asyncio.Event()
+        publish = changelog.publish_message
+
+        async def held(fut: Any, wait: bool = False) -> Any:
+            await release.wait()
+            return await publish(fut, wait=wait)
+
+        monkeypatch.setattr(changelog, "publish_message", held)
+        model = await w.client.submit(request("fresh", "carol", "a question nobody asked yet"))
+        cached = await w.client.submit(request("again", "dave", "say it once"))
+        await w.client.producer.flush()
+        await asyncio.sleep(2.0)
+        assert not model.done() and not cached.done(), "a reply went out before its record"
+        release.set()
+        fresh, again = await w.replies(model, cached)
+        await w.settled()
+
+        assert (fresh.served_from, again.served_from) == ("model", "cache")
+        topic = f"{w.deployment.settings.app_id}-replybook-changelog"
+        recorded = {json.loads(r.key): json.loads(r.value) for r in await w.records(topic, 3)}
+        sent = {
+            InferenceReply.model_validate_json(r.value).request_id: r.value
+            for r in await w.records(w.topics.replies, 3)
+        }
+        for rid in ("r-fresh", "r-again"):
+            (entry,) = [v for k, v in recorded.items() if k.endswith(rid)]
+            assert entry["reply"].encode() == sent[rid], f"{rid}: the reply sent is not the one recorded"
+
+
 async def test_a_user_over_its_rate_limit_gets_the_rate_limit_error(
     kafka: EmbeddedKafka, tmp_path: Path
 ) -> None:
