@@ -23,6 +23,7 @@ from faust.types import EventT
 from agents.acks import Acker
 from agents.durable_table import DurableTable
 from agents.offset_oracle import OffsetOracle
+from agents.reply_order import ReplySequencer
 from pipeline.compat import as_current_event, producer_partitions_for
 from pipeline.keys import reply_key
 from pipeline.metrics import Metrics
@@ -62,12 +63,14 @@ class Runtime:
     #: the reply book's table, whose writes can be awaited until durable (set with ``book``)
     book_table: DurableTable | None = None
     acker: Acker = field(init=False)
+    replies_in_order: ReplySequencer = field(init=False)
     reply_policy: ReplyToPolicy = field(init=False)
     _topics: dict[str, faust.TopicT] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.topics = TopicNames(self.settings.topic_prefix)
         self.acker = Acker(self.app, OffsetOracle(self.settings))
+        self.replies_in_order = ReplySequencer(self._recorded_durably)
         self.reply_policy = ReplyToPolicy(
             self.topics, self.settings.app_id, self.settings.reply_topic_pattern
         )
@@ -118,32 +121,31 @@ class Runtime:
         return await self._send_recorded(key, reply_to or self.topics.replies, reply.user_id, data)
 
     async def _send_recorded(self, key: str, topic: str, user_id: str, data: bytes) -> Awaitable[Any]:
-        """Send a reply once its record in the book is on the broker.
+        """Send a reply once its record in the book is on the broker, after every reply published
+        before it (:mod:`agents.reply_order`).
 
         A reply must never be visible without its record: a worker killed in between would leave
-        the client a reply that the request's next owner cannot find, and it would compute another.
-        While the record's changelog send is in flight, the reply waits for it in a task of its own
-        (the caller goes on; concurrent replies wait for their records together)."""
+        the client a reply that the request's next owner cannot find, and it would compute another."""
         ack = self.book_table.durable(key) if self.book_table is not None else None
-        if ack is None:
-            return await self.send(topic, user_id, data)
-        return asyncio.ensure_future(self._after_record(key, ack, topic, user_id, data))
 
-    async def _after_record(
-        self, key: str, ack: Awaitable[Any], topic: str, user_id: str, data: bytes
-    ) -> Any:
+        async def send() -> Awaitable[Any]:
+            return await self.send(topic, user_id, data)
+
+        return await self.replies_in_order.submit(key, ack, send)
+
+    async def _recorded_durably(self, key: str, ack: Awaitable[Any]) -> None:
+        """Wait for a reply's record to be acknowledged, sending it again when its send failed."""
         assert self.book_table is not None
         for attempt in range(1, SEND_ATTEMPTS + 1):
             try:
                 await ack
-                break
+                return
             except Exception as exc:
                 if attempt == SEND_ATTEMPTS:
                     raise
                 log.warning("recording %s failed (%r), attempt %d of %d", key, exc, attempt, SEND_ATTEMPTS)
                 await asyncio.sleep(0.2 * 2**attempt)
                 ack = self.book_table.resend(key)
-        return await (await self.send(topic, user_id, data))
 
     async def _record(self, key: str, data: bytes, event: EventT | None) -> bytes:
         """Record a reply in the book; what to send. A table write can fail while the producer's

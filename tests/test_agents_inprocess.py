@@ -13,7 +13,7 @@ import asyncio
 import base64
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,26 +219,43 @@ async def test_a_redelivered_request_gets_the_recorded_reply_byte_for_byte(
         assert w.metric("surge_batch_size_count") == 1
 
 
+def hold_reply_records(
+    w: Running, monkeypatch: pytest.MonkeyPatch, which: Callable[[bytes], bool]
+) -> asyncio.Event:
+    """Delay the broker's acknowledgement of the worker's reply-book changelog records whose value
+    ``which`` selects until the returned event is set: the records are sent as usual, and the others
+    are acknowledged as they come (a record on another partition may be acknowledged first)."""
+    assert w.rt.book_table is not None
+    changelog = w.rt.book_table.table.changelog_topic
+    release = asyncio.Event()
+    acknowledge = changelog._on_published
+
+    async def later(fut: Any, **kw: Any) -> None:
+        await release.wait()
+        acknowledge(fut, **kw)
+
+    def on_published(fut: Any, **kw: Any) -> None:
+        if which(bytes(kw["message"].message.value or b"")):
+            held.append(asyncio.ensure_future(later(fut, **kw)))
+        else:
+            acknowledge(fut, **kw)
+
+    held: list[asyncio.Future[None]] = []
+    monkeypatch.setattr(changelog, "_on_published", on_published)
+    return release
+
+
 async def test_a_reply_is_sent_only_once_its_reply_book_record_is_on_the_broker(
     kafka: EmbeddedKafka, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A reply visible before its record would, after a SIGKILL in between, leave the client a reply
     the next owner of the request cannot find: it would compute another (a different one when the
-    deadline has passed by then). The reply book's changelog sends are held here; the replies of a
+    deadline has passed by then). The reply book's changelog acknowledgements are held here; the replies of a
     model answer and of an intake cache hit wait for them, then go out byte for byte as recorded."""
     async with inprocess(kafka, tmp_path) as w:
         (warm,) = await w.replies(await w.client.submit(request("warm", "carol", "say it once")))
         assert warm.status == "ok"
-        changelog = w.rt.book_table.table.changelog_topic if w.rt.book_table else None
-        assert changelog is not None
-        release = asyncio.Event()
-        publish = changelog.publish_message
-
-        async def held(fut: Any, wait: bool = False) -> Any:
-            await release.wait()
-            return await publish(fut, wait=wait)
-
-        monkeypatch.setattr(changelog, "publish_message", held)
+        release = hold_reply_records(w, monkeypatch, lambda value: True)
         model = await w.client.submit(request("fresh", "carol", "a question nobody asked yet"))
         cached = await w.client.submit(request("again", "dave", "say it once"))
         await w.client.producer.flush()
@@ -258,6 +275,34 @@ async def test_a_reply_is_sent_only_once_its_reply_book_record_is_on_the_broker(
         for rid in ("r-fresh", "r-again"):
             (entry,) = [v for k, v in recorded.items() if k.endswith(rid)]
             assert entry["reply"].encode() == sent[rid], f"{rid}: the reply sent is not the one recorded"
+
+
+async def test_a_users_replies_keep_their_order_when_a_later_record_is_acknowledged_first(
+    kafka: EmbeddedKafka, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The records of one batch's replies go to different changelog partitions and are acknowledged
+    in any order; a reply waits for every reply published before it, so one user's replies of one
+    class still arrive in the order asked (here the first reply's record is held back)."""
+    async with inprocess(kafka, tmp_path, max_wait_ms="300") as w:
+        (warm,) = await w.replies(await w.client.submit(request("warm", "erin", "hello")))
+        assert warm.status == "ok"
+        release = hold_reply_records(w, monkeypatch, lambda value: b"r-first" in value)
+        futures = [
+            await w.client.submit(request(name, "erin", f"the {name} question", priority="batch"))
+            for name in ("first", "second", "third")
+        ]
+        await w.client.producer.flush()
+        await asyncio.sleep(2.0)
+        assert not any(f.done() for f in futures), "a later reply overtook the first one"
+        release.set()
+        await w.replies(*futures)
+        await w.settled()
+
+        order = [
+            InferenceReply.model_validate_json(r.value).request_id
+            for r in await w.records(w.topics.replies, 4)
+        ]
+        assert order == ["r-warm", "r-first", "r-second", "r-third"]
 
 
 async def test_a_user_over_its_rate_limit_gets_the_rate_limit_error(
