@@ -220,28 +220,34 @@ async def test_a_redelivered_request_gets_the_recorded_reply_byte_for_byte(
 
 
 def hold_reply_records(
-    w: Running, monkeypatch: pytest.MonkeyPatch, which: Callable[[bytes], bool]
+    w: Running, monkeypatch: pytest.MonkeyPatch, which: Callable[[str], bool]
 ) -> asyncio.Event:
-    """Delay the broker's acknowledgement of the worker's reply-book changelog records whose value
+    """Delay the acknowledgement of the worker's reply-book changelog records whose value (as JSON)
     ``which`` selects until the returned event is set: the records are sent as usual, and the others
     are acknowledged as they come (a record on another partition may be acknowledged first)."""
     assert w.rt.book_table is not None
-    changelog = w.rt.book_table.table.changelog_topic
+    table = w.rt.book_table.table
     release = asyncio.Event()
-    acknowledge = changelog._on_published
-
-    async def later(fut: Any, **kw: Any) -> None:
-        await release.wait()
-        acknowledge(fut, **kw)
-
-    def on_published(fut: Any, **kw: Any) -> None:
-        if which(bytes(kw["message"].message.value or b"")):
-            held.append(asyncio.ensure_future(later(fut, **kw)))
-        else:
-            acknowledge(fut, **kw)
-
+    send_changelog = table.send_changelog
     held: list[asyncio.Future[None]] = []
-    monkeypatch.setattr(changelog, "_on_published", on_published)
+
+    def delayed(partition: int | None, key: Any, value: Any, *args: Any) -> Any:
+        fut = send_changelog(partition, key, value, *args)
+        if not which(json.dumps(value)):
+            return fut
+        acknowledged: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+        async def later() -> None:
+            await release.wait()
+            try:
+                acknowledged.set_result(await fut)
+            except Exception as exc:
+                acknowledged.set_exception(exc)
+
+        held.append(asyncio.ensure_future(later()))
+        return acknowledged
+
+    monkeypatch.setattr(table, "send_changelog", delayed)
     return release
 
 
@@ -286,7 +292,7 @@ async def test_a_users_replies_keep_their_order_when_a_later_record_is_acknowled
     async with inprocess(kafka, tmp_path, max_wait_ms="300") as w:
         (warm,) = await w.replies(await w.client.submit(request("warm", "erin", "hello")))
         assert warm.status == "ok"
-        release = hold_reply_records(w, monkeypatch, lambda value: b"r-first" in value)
+        release = hold_reply_records(w, monkeypatch, lambda value: "r-first" in value)
         futures = [
             await w.client.submit(request(name, "erin", f"the {name} question", priority="batch"))
             for name in ("first", "second", "third")
