@@ -256,10 +256,7 @@ class Inference:
         req = work.request
         recorded = rt.recorded(req.tenant, req.user_id, req.request_id)
         if recorded is not None:
-            again = await rt.resend(
-                recorded, work.reply_to, tenant=req.tenant, user_id=req.user_id, request_id=req.request_id
-            )
-            rt.acker.ack_after([ticket], [again])
+            rt.acker.ack_after([ticket], [await rt.resend(recorded, work.reply_to, req.user_id)])
             return
         pending = self._pending(stream, event, ticket, work)
         key = reply_key(req.tenant, req.user_id, req.request_id)

@@ -3,9 +3,8 @@
 Agents stay thin: they read records, call the pure logic in ``pipeline/``, and send through the
 helpers here, which return the broker's acknowledgement (retried a few times) so that an offset is
 acked only after its reply (or forwarded work item) is safely on the broker. Every reply goes
-through :meth:`Runtime.publish`, which records it in the reply book first and sends it once the
-record is on the broker, so a request read again after a crash gets the same reply
-(docs/architecture.md, "Guarantees").
+through :meth:`Runtime.publish`, which records it in the reply book first, so a request read again
+after a crash gets the same reply (docs/architecture.md, "Guarantees").
 """
 
 from __future__ import annotations
@@ -21,9 +20,7 @@ import faust
 from faust.types import EventT
 
 from agents.acks import Acker
-from agents.durable_table import DurableTable
 from agents.offset_oracle import OffsetOracle
-from agents.reply_order import ReplySequencer
 from pipeline.compat import as_current_event, producer_partitions_for
 from pipeline.keys import reply_key
 from pipeline.metrics import Metrics
@@ -60,17 +57,13 @@ class Runtime:
     risk: RiskAgents | None = None
     #: recorded replies (a GlobalTable); None only in tools that send no replies
     book: ReplyBook | None = None
-    #: the reply book's table, whose writes can be awaited until durable (set with ``book``)
-    book_table: DurableTable | None = None
     acker: Acker = field(init=False)
-    replies_in_order: ReplySequencer = field(init=False)
     reply_policy: ReplyToPolicy = field(init=False)
     _topics: dict[str, faust.TopicT] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.topics = TopicNames(self.settings.topic_prefix)
         self.acker = Acker(self.app, OffsetOracle(self.settings))
-        self.replies_in_order = ReplySequencer(self._recorded_durably)
         self.reply_policy = ReplyToPolicy(
             self.topics, self.settings.app_id, self.settings.reply_topic_pattern
         )
@@ -108,9 +101,8 @@ class Runtime:
         are the same on every read anyway.
         """
         data = encode(reply)
-        key = reply_key(tenant, reply.user_id, reply.request_id)
         if record and self.book is not None:
-            data = await self._record(key, data, event)
+            data = await self._record(reply_key(tenant, reply.user_id, reply.request_id), data, event)
         priority = reply.priority or "interactive"
         served = reply.served_from or "none"
         self.metrics.requests.labels(priority=priority, status=reply.status, served_from=served).inc()
@@ -118,34 +110,7 @@ class Runtime:
             self.metrics.request_latency.labels(priority=priority).observe(
                 max(0, now_ms() - created_at_ms) / 1000
             )
-        return await self._send_recorded(key, reply_to or self.topics.replies, reply.user_id, data)
-
-    async def _send_recorded(self, key: str, topic: str, user_id: str, data: bytes) -> Awaitable[Any]:
-        """Send a reply once its record in the book is on the broker, after every reply published
-        before it (:mod:`agents.reply_order`).
-
-        A reply must never be visible without its record: a worker killed in between would leave
-        the client a reply that the request's next owner cannot find, and it would compute another."""
-        ack = self.book_table.durable(key) if self.book_table is not None else None
-
-        async def send() -> Awaitable[Any]:
-            return await self.send(topic, user_id, data)
-
-        return await self.replies_in_order.submit(key, ack, send)
-
-    async def _recorded_durably(self, key: str, ack: Awaitable[Any]) -> None:
-        """Wait for a reply's record to be acknowledged, sending it again when its send failed."""
-        assert self.book_table is not None
-        for attempt in range(1, SEND_ATTEMPTS + 1):
-            try:
-                await ack
-                return
-            except Exception as exc:
-                if attempt == SEND_ATTEMPTS:
-                    raise
-                log.warning("recording %s failed (%r), attempt %d of %d", key, exc, attempt, SEND_ATTEMPTS)
-                await asyncio.sleep(0.2 * 2**attempt)
-                ack = self.book_table.resend(key)
+        return await self.send(reply_to or self.topics.replies, reply.user_id, data)
 
     async def _record(self, key: str, data: bytes, event: EventT | None) -> bytes:
         """Record a reply in the book; what to send. A table write can fail while the producer's
@@ -171,14 +136,10 @@ class Runtime:
             return None
         return self.book.get(reply_key(tenant, user_id, request_id))
 
-    async def resend(
-        self, data: bytes, reply_to: str | None, *, tenant: str, user_id: str, request_id: str
-    ) -> Awaitable[Any]:
-        """Send a recorded reply again, byte for byte (once its record is on the broker, when this
-        worker wrote it a moment ago)."""
+    async def resend(self, data: bytes, reply_to: str | None, user_id: str) -> Awaitable[Any]:
+        """Send a recorded reply again, byte for byte."""
         self.metrics.replies_repeated.inc()
-        key = reply_key(tenant, user_id, request_id)
-        return await self._send_recorded(key, reply_to or self.topics.replies, user_id, data)
+        return await self.send(reply_to or self.topics.replies, user_id, data)
 
     async def error_reply(
         self,
