@@ -256,7 +256,10 @@ class Inference:
         req = work.request
         recorded = rt.recorded(req.tenant, req.user_id, req.request_id)
         if recorded is not None:
-            rt.acker.ack_after([ticket], [await rt.resend(recorded, work.reply_to, req.user_id)])
+            again = await rt.resend(
+                recorded, work.reply_to, tenant=req.tenant, user_id=req.user_id, request_id=req.request_id
+            )
+            rt.acker.ack_after([ticket], [again])
             return
         pending = self._pending(stream, event, ticket, work)
         key = reply_key(req.tenant, req.user_id, req.request_id)

@@ -95,7 +95,11 @@ class Intake:
             return
         recorded = rt.recorded(req.tenant, req.user_id, req.request_id)
         if recorded is not None:
-            futures.append(await rt.resend(recorded, reply_to, req.user_id))
+            futures.append(
+                await rt.resend(
+                    recorded, reply_to, tenant=req.tenant, user_id=req.user_id, request_id=req.request_id
+                )
+            )
             rt.acker.ack_after([ticket], futures)
             return
         futures.append(await self._decide(req, reply_to, event))

@@ -3,8 +3,9 @@
 Agents stay thin: they read records, call the pure logic in ``pipeline/``, and send through the
 helpers here, which return the broker's acknowledgement (retried a few times) so that an offset is
 acked only after its reply (or forwarded work item) is safely on the broker. Every reply goes
-through :meth:`Runtime.publish`, which records it in the reply book first, so a request read again
-after a crash gets the same reply (docs/architecture.md, "Guarantees").
+through :meth:`Runtime.publish`, which records it in the reply book first and sends it once the
+record is on the broker, so a request read again after a crash gets the same reply
+(docs/architecture.md, "Guarantees").
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import faust
 from faust.types import EventT
 
 from agents.acks import Acker
+from agents.durable_table import DurableTable
 from agents.offset_oracle import OffsetOracle
+from agents.reply_order import ReplySequencer
 from pipeline.compat import as_current_event, producer_partitions_for
 from pipeline.keys import reply_key
 from pipeline.metrics import Metrics
@@ -40,6 +43,10 @@ DEADLETTER_RAW_BYTES = 600_000
 #: how often a failed send is tried again before the worker gives up (and stops, see Acker)
 SEND_ATTEMPTS = 4
 
+#: how long a reply waits for its reply-book record's acknowledgement before the record is sent
+#: again (a record stuck on its way must not hold every later reply back without a word)
+RECORD_ACK_TIMEOUT_S = 10.0
+
 log = logging.getLogger("surge.agents")
 
 
@@ -57,13 +64,17 @@ class Runtime:
     risk: RiskAgents | None = None
     #: recorded replies (a GlobalTable); None only in tools that send no replies
     book: ReplyBook | None = None
+    #: the reply book's table, whose writes can be awaited until durable (set with ``book``)
+    book_table: DurableTable | None = None
     acker: Acker = field(init=False)
+    replies_in_order: ReplySequencer = field(init=False)
     reply_policy: ReplyToPolicy = field(init=False)
     _topics: dict[str, faust.TopicT] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.topics = TopicNames(self.settings.topic_prefix)
         self.acker = Acker(self.app, OffsetOracle(self.settings))
+        self.replies_in_order = ReplySequencer(self._recorded_durably)
         self.reply_policy = ReplyToPolicy(
             self.topics, self.settings.app_id, self.settings.reply_topic_pattern
         )
@@ -101,8 +112,9 @@ class Runtime:
         are the same on every read anyway.
         """
         data = encode(reply)
+        key = reply_key(tenant, reply.user_id, reply.request_id)
         if record and self.book is not None:
-            data = await self._record(reply_key(tenant, reply.user_id, reply.request_id), data, event)
+            data = await self._record(key, data, event)
         priority = reply.priority or "interactive"
         served = reply.served_from or "none"
         self.metrics.requests.labels(priority=priority, status=reply.status, served_from=served).inc()
@@ -110,7 +122,44 @@ class Runtime:
             self.metrics.request_latency.labels(priority=priority).observe(
                 max(0, now_ms() - created_at_ms) / 1000
             )
-        return await self.send(reply_to or self.topics.replies, reply.user_id, data)
+        return await self._send_recorded(key, reply_to or self.topics.replies, reply.user_id, data)
+
+    async def _send_recorded(self, key: str, topic: str, user_id: str, data: bytes) -> Awaitable[Any]:
+        """Send a reply once its record in the book is on the broker, after every reply published
+        before it (:mod:`agents.reply_order`).
+
+        A reply must never be visible without its record: a worker killed in between would leave
+        the client a reply that the request's next owner cannot find, and it would compute another."""
+        ack = self.book_table.durable(key) if self.book_table is not None else None
+
+        async def send() -> Awaitable[Any]:
+            return await self.send(topic, user_id, data)
+
+        return await self.replies_in_order.submit(key, ack, send)
+
+    async def _recorded_durably(self, key: str, ack: Awaitable[Any]) -> None:
+        """Wait for a reply's record to be acknowledged, sending it again when its send failed or
+        was not acknowledged within ``RECORD_ACK_TIMEOUT_S``."""
+        assert self.book_table is not None
+        for attempt in range(1, SEND_ATTEMPTS + 1):
+            try:
+                await asyncio.wait_for(asyncio.shield(ack), RECORD_ACK_TIMEOUT_S)
+                return
+            except Exception as exc:
+                if attempt == SEND_ATTEMPTS:
+                    raise
+                if isinstance(exc, TimeoutError):
+                    exc = TimeoutError(f"no acknowledgement after {RECORD_ACK_TIMEOUT_S:g} s")
+                log.warning(
+                    "recording %s failed (%r), attempt %d of %d; %d replies wait for it",
+                    key,
+                    exc,
+                    attempt,
+                    SEND_ATTEMPTS,
+                    self.replies_in_order.waiting,
+                )
+                await asyncio.sleep(0.2 * 2**attempt)
+                ack = self.book_table.resend(key)
 
     async def _record(self, key: str, data: bytes, event: EventT | None) -> bytes:
         """Record a reply in the book; what to send. A table write can fail while the producer's
@@ -136,10 +185,14 @@ class Runtime:
             return None
         return self.book.get(reply_key(tenant, user_id, request_id))
 
-    async def resend(self, data: bytes, reply_to: str | None, user_id: str) -> Awaitable[Any]:
-        """Send a recorded reply again, byte for byte."""
+    async def resend(
+        self, data: bytes, reply_to: str | None, *, tenant: str, user_id: str, request_id: str
+    ) -> Awaitable[Any]:
+        """Send a recorded reply again, byte for byte (once its record is on the broker, when this
+        worker wrote it a moment ago)."""
         self.metrics.replies_repeated.inc()
-        return await self.send(reply_to or self.topics.replies, user_id, data)
+        key = reply_key(tenant, user_id, request_id)
+        return await self._send_recorded(key, reply_to or self.topics.replies, user_id, data)
 
     async def error_reply(
         self,

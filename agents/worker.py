@@ -12,6 +12,7 @@ from faust.types import TP, TableT
 
 from agents import inference as inference_agent
 from agents import intake as intake_agent
+from agents.durable_table import DurableTable
 from agents.lifecycle import Lifecycle, on_partitions, serve_pages
 from agents.runtime import Runtime
 from pipeline.admin import changelog_config
@@ -80,7 +81,8 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
         "replybook",
         extra_topic_configs=changelog_config(settings, f"{settings.app_id}-replybook-changelog"),
     )
-    rt.book = ReplyBook(replybook, ttl_ms=settings.reply_record_ttl_s * 1000, clock_ms=now_ms)
+    rt.book_table = DurableTable(replybook)
+    rt.book = ReplyBook(rt.book_table, ttl_ms=settings.reply_record_ttl_s * 1000, clock_ms=now_ms)
     from models.registry import build_model
 
     model = build_model(settings)

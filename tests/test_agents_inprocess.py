@@ -13,7 +13,7 @@ import asyncio
 import base64
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -217,6 +217,130 @@ async def test_a_redelivered_request_gets_the_recorded_reply_byte_for_byte(
         # the model answered once: the repeat came from the reply book, not from the cache or a batch
         assert w.metric("surge_requests_total", priority="batch", status="ok", served_from="model") == 1
         assert w.metric("surge_batch_size_count") == 1
+
+
+def hold_reply_records(
+    w: Running, monkeypatch: pytest.MonkeyPatch, which: Callable[[str], bool]
+) -> asyncio.Event:
+    """Delay the acknowledgement of the worker's reply-book changelog records whose value (as JSON)
+    ``which`` selects until the returned event is set: the records are sent as usual, and the others
+    are acknowledged as they come (a record on another partition may be acknowledged first)."""
+    assert w.rt.book_table is not None
+    table = w.rt.book_table.table
+    release = asyncio.Event()
+    send_changelog = table.send_changelog
+    held: list[asyncio.Future[None]] = []
+
+    def delayed(partition: int | None, key: Any, value: Any, *args: Any) -> Any:
+        fut = send_changelog(partition, key, value, *args)
+        if not which(json.dumps(value)):
+            return fut
+        acknowledged: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+        async def later() -> None:
+            await release.wait()
+            try:
+                acknowledged.set_result(await fut)
+            except Exception as exc:
+                acknowledged.set_exception(exc)
+
+        held.append(asyncio.ensure_future(later()))
+        return acknowledged
+
+    monkeypatch.setattr(table, "send_changelog", delayed)
+    return release
+
+
+async def test_a_reply_is_sent_only_once_its_reply_book_record_is_on_the_broker(
+    kafka: EmbeddedKafka, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reply visible before its record would, after a SIGKILL in between, leave the client a reply
+    the next owner of the request cannot find: it would compute another (a different one when the
+    deadline has passed by then). The reply book's changelog acknowledgements are held here; the replies of a
+    model answer and of an intake cache hit wait for them, then go out byte for byte as recorded."""
+    async with inprocess(kafka, tmp_path) as w:
+        (warm,) = await w.replies(await w.client.submit(request("warm", "carol", "say it once")))
+        assert warm.status == "ok"
+        release = hold_reply_records(w, monkeypatch, lambda value: True)
+        model = await w.client.submit(request("fresh", "carol", "a question nobody asked yet"))
+        cached = await w.client.submit(request("again", "dave", "say it once"))
+        await w.client.producer.flush()
+        await asyncio.sleep(2.0)
+        assert not model.done() and not cached.done(), "a reply went out before its record"
+        release.set()
+        fresh, again = await w.replies(model, cached)
+        await w.settled()
+
+        assert (fresh.served_from, again.served_from) == ("model", "cache")
+        topic = f"{w.deployment.settings.app_id}-replybook-changelog"
+        recorded = {json.loads(r.key): json.loads(r.value) for r in await w.records(topic, 3)}
+        sent = {
+            InferenceReply.model_validate_json(r.value).request_id: r.value
+            for r in await w.records(w.topics.replies, 3)
+        }
+        for rid in ("r-fresh", "r-again"):
+            (entry,) = [v for k, v in recorded.items() if k.endswith(rid)]
+            assert entry["reply"].encode() == sent[rid], f"{rid}: the reply sent is not the one recorded"
+
+
+async def test_a_users_replies_keep_their_order_when_a_later_record_is_acknowledged_first(
+    kafka: EmbeddedKafka, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The records of one batch's replies go to different changelog partitions and are acknowledged
+    in any order; a reply waits for every reply published before it, so one user's replies of one
+    class still arrive in the order asked (here the first reply's record is held back)."""
+    async with inprocess(kafka, tmp_path, max_wait_ms="300") as w:
+        (warm,) = await w.replies(await w.client.submit(request("warm", "erin", "hello")))
+        assert warm.status == "ok"
+        release = hold_reply_records(w, monkeypatch, lambda value: "r-first" in value)
+        futures = [
+            await w.client.submit(request(name, "erin", f"the {name} question", priority="batch"))
+            for name in ("first", "second", "third")
+        ]
+        await w.client.producer.flush()
+        await asyncio.sleep(2.0)
+        assert not any(f.done() for f in futures), "a later reply overtook the first one"
+        release.set()
+        await w.replies(*futures)
+        await w.settled()
+
+        order = [
+            InferenceReply.model_validate_json(r.value).request_id
+            for r in await w.records(w.topics.replies, 4)
+        ]
+        assert order == ["r-warm", "r-first", "r-second", "r-third"]
+
+
+async def test_a_record_whose_acknowledgement_never_comes_is_sent_again(
+    kafka: EmbeddedKafka, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replies wait in one queue behind the oldest unacknowledged record: a record stuck on its way
+    must not hold every later reply back for good. After RECORD_ACK_TIMEOUT_S it is sent again, and
+    the reply (and the one queued behind it) go out."""
+    import agents.runtime
+
+    monkeypatch.setattr(agents.runtime, "RECORD_ACK_TIMEOUT_S", 0.5)
+    async with inprocess(kafka, tmp_path) as w:
+        (warm,) = await w.replies(await w.client.submit(request("warm", "fay", "hi there")))
+        assert warm.status == "ok"
+        first_time = [True]
+
+        def once(value: str) -> bool:
+            hit = "r-stuck" in value and first_time[0]
+            first_time[0] = first_time[0] and not hit
+            return hit
+
+        never = hold_reply_records(w, monkeypatch, once)
+        stuck = await w.client.submit(request("stuck", "fay", "a record that gets lost"))
+        behind = await w.client.submit(request("behind", "fay", "the one after it"))
+        await w.client.producer.flush()
+        replies = await asyncio.wait_for(w.replies(stuck, behind), 30)
+        assert not never.is_set() and not first_time[0], "the first record was not held"
+        assert [r.request_id for r in replies] == ["r-stuck", "r-behind"]
+        topic = f"{w.deployment.settings.app_id}-replybook-changelog"
+        keys = [json.loads(r.key) for r in await w.records(topic, 3)]
+        assert any(k.endswith("r-stuck") for k in keys), "the reply went out without its record"
+        never.set()  # the held first acknowledgement: let its task end
 
 
 async def test_a_user_over_its_rate_limit_gets_the_rate_limit_error(
