@@ -40,8 +40,7 @@ class DurableTable(MutableMapping[str, Any]):
         when the send cannot be queued (no metadata for the changelog yet): the caller tries again."""
         fut = self.table.send_changelog(None, key, value)
         self.table.data[key] = value
-        self._pending[key] = fut
-        fut.add_done_callback(lambda done: self._forget(key, done))
+        self._track(key, fut)
 
     def __delitem__(self, key: str) -> None:
         del self.table[key]
@@ -59,9 +58,13 @@ class DurableTable(MutableMapping[str, Any]):
         return self._pending.get(key)
 
     def resend(self, key: str) -> asyncio.Future[Any]:
-        """Send ``key``'s changelog record again (its last send failed); its new acknowledgement."""
-        value = self.table.data[key]
-        fut = self.table.send_changelog(None, key, value)
+        """Send ``key``'s changelog record again (its last send failed); its new acknowledgement.
+        The local store already holds the value (and this may run outside any event, where the
+        store cannot be written)."""
+        return self._track(key, self.table.send_changelog(None, key, self.table.data[key]))
+
+    def _track(self, key: str, fut: asyncio.Future[Any]) -> asyncio.Future[Any]:
+        """Keep ``fut`` as ``key``'s acknowledgement until it resolves without an error."""
         self._pending[key] = fut
         fut.add_done_callback(lambda done: self._forget(key, done))
         return fut

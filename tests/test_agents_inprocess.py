@@ -231,8 +231,8 @@ def hold_reply_records(
     send_changelog = table.send_changelog
     held: list[asyncio.Future[None]] = []
 
-    def delayed(partition: int | None, key: Any, value: Any, *args: Any) -> Any:
-        fut = send_changelog(partition, key, value, *args)
+    def delayed(partition: int | None, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
+        fut = send_changelog(partition, key, value, *args, **kwargs)
         if not which(json.dumps(value)):
             return fut
         acknowledged: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -341,6 +341,34 @@ async def test_a_record_whose_acknowledgement_never_comes_is_sent_again(
         keys = [json.loads(r.key) for r in await w.records(topic, 3)]
         assert any(k.endswith("r-stuck") for k in keys), "the reply went out without its record"
         never.set()  # the held first acknowledgement: let its task end
+
+
+async def test_an_expired_reply_record_is_deleted_on_the_partition_that_holds_it(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    """A record older than the reply book's TTL is deleted when met. Its tombstone must land on the
+    changelog partition of the record itself (the key's), or compaction never removes the record and
+    a restarted worker restores it. The reply book is written with the key's partition
+    (``DurableTable``); its deletes are Faust's own, which pick the partition of the request being
+    handled unless the table uses the partitioner (agents/worker.py): without it this fails. Six
+    users, so that the request's and the key's partition cannot all agree by chance."""
+    async with inprocess(kafka, tmp_path, reply_record_ttl_s="1") as w:
+        reqs = [request(f"old{i}", f"user{i}", f"question number {i}") for i in range(6)]
+        firsts = await w.replies(*[await w.client.submit(r) for r in reqs])
+        assert all(r.status == "ok" for r in firsts)
+        await asyncio.sleep(1.5)
+        seconds = await w.replies(*[await w.client.submit(r) for r in reqs])
+        await w.settled()
+        assert all(r.status == "ok" for r in seconds)
+
+        topic = f"{w.deployment.settings.app_id}-replybook-changelog"
+        by_key: dict[str, list[tuple[int, bool]]] = {}
+        for r in await w.records(topic, 18):
+            by_key.setdefault(json.loads(r.key), []).append((r.partition, r.value is None))
+        assert len(by_key) == 6
+        for key, writes in by_key.items():
+            assert [tomb for _, tomb in writes] == [False, True, False], f"{key}: {writes}"
+            assert len({p for p, _ in writes}) == 1, f"{key}: its tombstone went elsewhere: {writes}"
 
 
 async def test_a_user_over_its_rate_limit_gets_the_rate_limit_error(
