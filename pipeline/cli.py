@@ -75,8 +75,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         # cannot serve yet
         rt.inference.load()
 
-    from agents.lifecycle import SurgeWorker
+    from agents.lifecycle import SurgeWorker, freeze_startup_heap
 
+    freeze_startup_heap()
     worker = SurgeWorker(app, rt.lifecycle, loglevel="WARNING", quiet=True, redirect_stdouts=False)
     # Faust's start-up spinner sets the root logger to DEBUG for good: every debug call of aiokafka and
     # Faust would then build a log record (a tenth of a busy worker's time); no spinner, no DEBUG.
