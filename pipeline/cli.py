@@ -78,6 +78,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from agents.lifecycle import SurgeWorker, freeze_startup_heap
 
     freeze_startup_heap()
+    from pipeline.metrics import gc_pause_timer
+
+    gc_pause_timer(rt.metrics).install()  # surge_gc_pause_seconds: how long collections stop the worker
     worker = SurgeWorker(app, rt.lifecycle, loglevel="WARNING", quiet=True, redirect_stdouts=False)
     # Faust's start-up spinner sets the root logger to DEBUG for good: every debug call of aiokafka and
     # Faust would then build a log record (a tenth of a busy worker's time); no spinner, no DEBUG.

@@ -11,12 +11,16 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pipeline.gcpause import GENERATIONS, GcPauseTimer
 from pipeline.terms import PRIORITIES
 
 LATENCY_BUCKETS_S = (0.1, 0.5, 1.0, 2.0, 5.0)
 REQUEST_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FILL_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+#: one garbage collection's pause: a young one takes well under a millisecond, a full one over a heap
+#: that is not frozen a few hundred
+GC_PAUSE_BUCKETS_S = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 #: names as they appear in the exposition (what deploy/ and the benchmarks read)
 METRIC_NAMES = (
@@ -36,6 +40,7 @@ METRIC_NAMES = (
     "surge_deadletter_total",
     "surge_replies_repeated_total",
     "surge_embed_batch_size",
+    "surge_gc_pause_seconds",
     *(
         "surge_risk_decision_latency_seconds",
         "surge_risk_decisions_total",
@@ -114,6 +119,7 @@ class Metrics:
     deadletter: Counter
     replies_repeated: Counter
     embed_batch_size: Histogram
+    gc_pause: Histogram
     risk: RiskMetrics
     registry: CollectorRegistry
 
@@ -171,6 +177,13 @@ def create_metrics(registry: CollectorRegistry | None = None) -> Metrics:
             registry=r,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
         ),
+        gc_pause=Histogram(
+            "surge_gc_pause_seconds",
+            "Seconds the process stood still for one garbage collection",
+            ["generation"],
+            buckets=GC_PAUSE_BUCKETS_S,
+            registry=r,
+        ),
         risk=create_risk_metrics(r),
         registry=r,
     )
@@ -181,10 +194,25 @@ def create_metrics(registry: CollectorRegistry | None = None) -> Metrics:
         m.request_latency.labels(priority=priority)
     for scope in ("user", "tenant"):
         m.rate_limited.labels(scope=scope)
+    for generation in GENERATIONS:
+        m.gc_pause.labels(generation=str(generation))
     for layer in ("exact", "semantic"):
         for result in ("hit", "miss"):
             m.cache_lookups.labels(layer=layer, result=result)
     return m
+
+
+def gc_pause_timer(metrics: Metrics) -> GcPauseTimer:
+    """A :class:`pipeline.gcpause.GcPauseTimer` observing into ``surge_gc_pause_seconds`` through the
+    children made in :func:`create_metrics` (no ``labels()`` call inside the collector)."""
+    children = {g: metrics.gc_pause.labels(generation=str(g)) for g in GENERATIONS}
+
+    def observe(generation: int, seconds: float) -> None:
+        child = children.get(generation)
+        if child is not None:
+            child.observe(seconds)
+
+    return GcPauseTimer(observe)
 
 
 def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

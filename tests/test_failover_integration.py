@@ -13,6 +13,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from pipeline.devtools.broker import EmbeddedKafka
+from pipeline.metrics import scrape
 from tests.conftest import Deployment, request
 
 pytestmark = pytest.mark.integration
@@ -87,6 +88,9 @@ async def test_a_request_read_again_gets_the_recorded_reply(deployment) -> None:
     # every rebalance no longer walks it with the event loop stopped (agents/lifecycle.py)
     frozen = d.workers[0].status()["gc_frozen_objects"]
     assert isinstance(frozen, int) and frozen > 50_000, frozen
+    # and every collection since is timed (surge_gc_pause_seconds)
+    young = scrape(d.workers[0].metrics())[("surge_gc_pause_seconds_count", (("generation", "0"),))]
+    assert young > 0, "no garbage collection was timed"
 
 
 async def test_a_request_read_again_while_in_flight_gets_one_reply(deployment) -> None:
