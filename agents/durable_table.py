@@ -60,8 +60,16 @@ class DurableTable(MutableMapping[str, Any]):
     def resend(self, key: str) -> asyncio.Future[Any]:
         """Send ``key``'s changelog record again (its last send failed); its new acknowledgement.
         The local store already holds the value (and this may run outside any event, where the
-        store cannot be written)."""
-        return self._track(key, self.table.send_changelog(None, key, self.table.data[key]))
+        store cannot be written).
+
+        The record goes to the partition its first send chose. Choosing it again would need the
+        producer's metadata of the changelog, which a worker can lack for a while when the broker
+        is slow to answer (a refresh that came back without the topic); the send itself waits for
+        the metadata instead of failing."""
+        last = self._pending.get(key)
+        message = getattr(last, "message", None)
+        partition = getattr(message, "partition", None)
+        return self._track(key, self.table.send_changelog(partition, key, self.table.data[key]))
 
     def _track(self, key: str, fut: asyncio.Future[Any]) -> asyncio.Future[Any]:
         """Keep ``fut`` as ``key``'s acknowledgement until it resolves without an error."""

@@ -159,7 +159,19 @@ class Runtime:
                     self.replies_in_order.waiting,
                 )
                 await asyncio.sleep(0.2 * 2**attempt)
-                ack = self.book_table.resend(key)
+                ack = self._resend_record(key)
+
+    def _resend_record(self, key: str) -> Awaitable[Any]:
+        """The acknowledgement of a reply record sent again; a send that cannot even be queued
+        counts as one failed attempt (the caller waits and tries again) rather than ending the
+        worker."""
+        assert self.book_table is not None
+        try:
+            return self.book_table.resend(key)
+        except Exception as exc:
+            failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            failed.set_exception(exc)
+            return failed
 
     async def _record(self, key: str, data: bytes, event: EventT | None) -> bytes:
         """Record a reply in the book; what to send. A table write can fail while the producer's

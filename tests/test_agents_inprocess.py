@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from faust.types.tuples import FutureMessage
 
 from agents.runtime import Runtime
 from pipeline.client import SurgeClient
@@ -235,7 +236,7 @@ def hold_reply_records(
         fut = send_changelog(partition, key, value, *args, **kwargs)
         if not which(json.dumps(value)):
             return fut
-        acknowledged: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        acknowledged = FutureMessage(fut.message)  # what Faust returns: it names the partition
 
         async def later() -> None:
             await release.wait()
@@ -341,6 +342,42 @@ async def test_a_record_whose_acknowledgement_never_comes_is_sent_again(
         keys = [json.loads(r.key) for r in await w.records(topic, 3)]
         assert any(k.endswith("r-stuck") for k in keys), "the reply went out without its record"
         never.set()  # the held first acknowledgement: let its task end
+
+
+async def test_a_record_is_sent_again_while_the_producer_lacks_the_changelogs_metadata(
+    kafka: EmbeddedKafka, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow broker can leave the producer's metadata without the changelog topic (a refresh that
+    came back without it) just when a record must be sent again. The resend goes to the partition
+    the record's first send chose and waits for the metadata; choosing the partition again raised
+    TypeError there, and the worker stopped with the reply unsent (seen in CI)."""
+    import agents.runtime
+
+    monkeypatch.setattr(agents.runtime, "RECORD_ACK_TIMEOUT_S", 0.5)
+    async with inprocess(kafka, tmp_path) as w:
+        (warm,) = await w.replies(await w.client.submit(request("warm", "gil", "hi again")))
+        assert warm.status == "ok"
+        topic = f"{w.deployment.settings.app_id}-replybook-changelog"
+        producer: Any = w.rt.app.producer
+        cluster = producer._ensure_producer().client.cluster
+        first_time = [True]
+
+        def once(value: str) -> bool:
+            hit = "r-lost" in value and first_time[0]
+            if hit:  # the first send is on its way; then the metadata loses the topic
+                first_time[0] = False
+                asyncio.get_running_loop().call_later(0.2, cluster._partitions.pop, topic, None)
+            return hit
+
+        never = hold_reply_records(w, monkeypatch, once)
+        lost = await w.client.submit(request("lost", "gil", "a record sent twice"))
+        await w.client.producer.flush()
+        (reply,) = await asyncio.wait_for(w.replies(lost), 30)
+        assert reply.request_id == "r-lost" and reply.status == "ok"
+        assert not first_time[0], "the first record was not held"
+        writes = [r.partition for r in await w.records(topic, 3) if json.loads(r.key).endswith("r-lost")]
+        assert len(writes) >= 1 and len(set(writes)) == 1, writes
+        never.set()
 
 
 async def test_an_expired_reply_record_is_deleted_on_the_partition_that_holds_it(
