@@ -46,6 +46,16 @@ async def producer_partitions_for(producer: ProducerT, topic: str) -> set[int]:
     return set(await kafka_producer(producer).partitions_for(topic))
 
 
+def forget_topic_metadata(producer: ProducerT, topic: str) -> None:
+    """Drop ``topic`` from the metadata of Faust's producer, as a refresh answered by a slow broker
+    without the topic leaves it (the producer fetches it again when it next sends there).
+
+    Why: tests of the reply book's resend path (``agents.durable_table``) need that state on demand.
+    Private: ``aiokafka.cluster.ClusterMetadata._partitions``.
+    """
+    kafka_producer(producer).client.cluster._partitions.pop(topic, None)
+
+
 @contextlib.contextmanager
 def as_current_event(event: EventT) -> Iterator[None]:
     """Make ``event`` Faust's current event inside the block (what ``faust.current_event()`` returns).
