@@ -20,13 +20,23 @@ from aiokafka.errors import KafkaError
 from pipeline.devtools.broker import EmbeddedKafka
 from pipeline.devtools.deployment import Deployment as SharedDeployment
 from pipeline.devtools.deployment import deployment_env, load_settings
+from pipeline.devtools.procs import WorkerProcess
 from pipeline.settings import Settings
+from tests.preloaded import launch_preloaded
 
 log = logging.getLogger("tests")
 
 #: deadlines long enough that a test about something else never sees deadline_exceeded
 RELAXED = {"deadline_interactive_ms": "60000", "deadline_batch_ms": "60000"}
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def preloaded_workers() -> Iterator[None]:
+    """Workers fork from a process that imported their libraries once (tests/preloaded.py)."""
+    WorkerProcess.launcher = launch_preloaded
+    yield
+    WorkerProcess.launcher = None
 
 
 @pytest.fixture(scope="session")

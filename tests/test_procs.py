@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,7 @@ import pytest
 from pipeline.devtools.deployment import Deployment, deployment_env, env_name, load_settings
 from pipeline.devtools.procs import ManagedProcess, WorkerProcess
 from pipeline.exceptions import SurgeError
+from tests.preloaded import launch_preloaded
 
 
 def _python(code: str, log: Path) -> ManagedProcess:
@@ -74,3 +79,42 @@ def test_deployment_env_layers_defaults_identity_and_overrides(tmp_path: Path) -
     assert (s.topic_prefix, s.app_id, s.max_wait_ms, s.dedup_enabled) == ("t1.", "app-1", 2.5, False)
     d = Deployment("arm", env, "127.0.0.1:9092", tmp_path)
     assert d.topics.requests == "t1.requests" and d.settings() == s
+
+
+def test_managed_processes_start_as_new_interpreters_by_default() -> None:
+    assert ManagedProcess.launcher is None, "the demo and the benchmarks start real subprocesses"
+
+
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGTERM"])
+def test_a_preloaded_child_behaves_like_a_subprocess(tmp_path: Path, signal_name: str) -> None:
+    """The fork server's child: its own session, its own environment, its output in the log, and the
+    exit code a subprocess would report (SIGTERM handled by the module, SIGKILL to the group)."""
+    module = tmp_path / "probe_mod.py"
+    module.write_text(
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))\n"
+        "print('probe', sys.argv[1:], os.environ.get('PROBE'), os.environ.get('HOME'), os.getsid(0) == os.getpid())\n"
+        "time.sleep(60)\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        handle = launch_preloaded(
+            [sys.executable, "-m", "probe_mod", "a", "b"],
+            {"PROBE": "yes", "PYTHONPATH": str(tmp_path)},
+            tmp_path / "p.log",
+        )
+        deadline = time.monotonic() + 60
+        while "probe" not in (tmp_path / "p.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "p.log").read_text().strip() == "probe ['a', 'b'] yes None True"
+        assert handle.poll() is None and os.getpgid(handle.pid) == handle.pid
+        with pytest.raises(subprocess.TimeoutExpired):
+            handle.wait(0.1)
+        if signal_name == "SIGKILL":
+            os.killpg(handle.pid, signal.SIGKILL)
+            assert handle.wait(10) == -9
+        else:
+            handle.send_signal(signal.SIGTERM)
+            assert handle.wait(10) == 7 and handle.returncode == 7
+    finally:
+        sys.path.remove(str(tmp_path))

@@ -3,6 +3,10 @@
 :class:`ManagedProcess` is the one process runner of the demo, the benchmarks and the tests: a
 subprocess in its own session, logging to a file, ready once a marker line shows in its log,
 stopped with SIGTERM and then SIGKILL. :class:`WorkerProcess` is a ``surge worker``.
+
+How a process is started is a :data:`Launcher`: by default a new interpreter
+(:func:`launch_subprocess`); the test suite swaps in one that forks workers from a process that has
+already imported torch and transformers (``tests/preloaded.py``), the same code minus ~6 s of imports.
 """
 
 from __future__ import annotations
@@ -14,11 +18,50 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import ClassVar, Protocol
 
 from pipeline.devtools.broker import free_port, stop_pid
 from pipeline.exceptions import SurgeError
+
+
+class ProcessHandle(Protocol):
+    """What :class:`ManagedProcess` needs of a started process (``subprocess.Popen`` has it)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None:
+        """The exit code (negative: the signal that ended it), ``None`` while it runs."""
+        ...
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the exit; ``subprocess.TimeoutExpired`` when it still runs after ``timeout``."""
+        ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+
+#: starts ``argv`` with exactly ``env`` as its environment, stdin closed, stdout and stderr appended
+#: to the log at the path given, in a session (and process group) of its own
+Launcher = Callable[[list[str], dict[str, str], Path], ProcessHandle]
+
+
+def launch_subprocess(argv: list[str], env: dict[str, str], log_path: Path) -> ProcessHandle:
+    """The default :data:`Launcher`: a new process running ``argv``."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            argv,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
 class ManagedProcess:
@@ -26,6 +69,8 @@ class ManagedProcess:
 
     #: what the process logs once it can serve; :meth:`wait_ready` waits for it
     ready_marker: str = ""
+    #: how this class's processes are started (``None``: :func:`launch_subprocess`)
+    launcher: ClassVar[Launcher | None] = None
 
     def __init__(
         self,
@@ -39,7 +84,7 @@ class ManagedProcess:
         self.log_path = Path(log_path)
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.name = name or " ".join(self.argv[1:4])
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: ProcessHandle | None = None
         #: where this start's output begins in the (appended) log: an earlier run's "ready" line in
         #: the same file must never count for this one
         self.log_offset = 0
@@ -47,15 +92,8 @@ class ManagedProcess:
     def start(self) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv,
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        launch = type(self).launcher or launch_subprocess
+        self.proc = launch(self.argv, self.env, self.log_path)
         return self
 
     @property
