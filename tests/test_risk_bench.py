@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from models.risk import INPUTS, RiskModel, train, vectorize
+from models.risk import INPUTS, RiskModel, evaluate, evaluate_later_periods, replay, train, vectorize
 from pipeline.devtools.bench import SCENARIOS, run_bench
 from pipeline.devtools.broker import EmbeddedKafka
 from pipeline.risk.features import OK, FeatureEngine
-from pipeline.risk.simulate import SimConfig, simulate
+from pipeline.risk.simulate import DAY_MS, SimConfig, simulate
 from pipeline.stats import recall_at_fpr
 
 
@@ -60,6 +60,40 @@ def test_training_exports_trees_that_score_like_scikit_learn(tmp_path: Path) -> 
     assert np.allclose(_export(gb, {}).raw(Xr), gb.decision_function(Xr), atol=1e-9)
     with pytest.raises(Exception, match="no risk model"):
         RiskModel.load(tmp_path / "nothing")
+
+
+def test_later_periods_are_scored_each_and_pooled(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Each seed's period is the simulation after the training period, scored after its warm-up days;
+    the pooled report scores every period's events together; the CLI prints both."""
+    model = RiskModel.load()
+    res = evaluate_later_periods(model, [7, 3], customers=300, days=2, warm_days=1, progress=False)
+    one, other = res["periods"]
+    assert [one["period"]["seed"], other["period"]["seed"]] == [7, 3]
+    # the seed-7 period, computed by hand: the world the model was trained on, after its 14 days
+    start = model.meta["sim_config"]["start_ms"] + 14 * DAY_MS
+    X, y, times, rows = replay(simulate(SimConfig(customers=300, days=3, seed=7, start_ms=start)))
+    later = np.asarray([t >= start + DAY_MS for t in times])
+    by_hand = evaluate(model, X[later], y[later], [r for r, m in zip(rows, later, strict=True) if m])
+    assert one["model"] == by_hand["model"] and one["rules"] == by_hand["rules"]
+    assert one["period"]["start_ms"] == start + DAY_MS
+    pooled = res["pooled"]
+    assert pooled["test_events"] == one["test_events"] + other["test_events"]
+    assert pooled["test_fraud"] == one["test_fraud"] + other["test_fraud"] > 0
+    ratios = [one["recall_ratio_model_vs_rules"], other["recall_ratio_model_vs_rules"]]
+    assert [res["ratio_min"], res["ratio_max"]] == [min(ratios), max(ratios)]
+
+    from pipeline.cli import main
+
+    argv = ["risk", "evaluate", "--seeds", "7,3", "--customers", "300", "--days", "2", "--warm-days", "1"]
+    assert main([*argv, "--plot", str(tmp_path / "p.png"), "--json", str(tmp_path / "p.json")]) == 0
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "p.json").read_text())["pooled"] == pooled
+    printed = json.loads(capsys.readouterr().out)
+    assert [p["seed"] for p in printed["periods"]] == [7, 3]
+    assert printed["pooled"]["fraud"] == pooled["test_fraud"]
+    assert printed["pooled"]["ratio"] == pooled["recall_ratio_model_vs_rules"]
+    assert main(["risk", "evaluate", "--seeds", "7,x"]) == 2
+    assert "comma-separated integers" in capsys.readouterr().err
 
 
 def test_packaged_model_beats_the_rules_on_its_own_report() -> None:

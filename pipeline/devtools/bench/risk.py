@@ -46,7 +46,7 @@ from pipeline.devtools.bench.common import (
 from pipeline.devtools.bench.report import finish
 from pipeline.devtools.bench.risk_check import check_decisions, read_arrivals
 from pipeline.risk.records import RiskDecision
-from pipeline.risk.simulate import DAY_MS, SimConfig, as_event, disorder, simulate
+from pipeline.risk.simulate import SimConfig, as_event, disorder, simulate
 from pipeline.riskops import RISK_READY
 
 if TYPE_CHECKING:
@@ -210,31 +210,22 @@ def _phase(
 
 
 def evaluate_model(plan: Plan) -> dict[str, Any]:
-    """Recall at 1 % false positives of the packaged model and of the default rules on a later period."""
-    import numpy as np
-
-    from models.risk import RiskModel, evaluate, replay
+    """Recall at 1 % false positives of the packaged model and of the default rules on the period after
+    its training period, in the world it was trained on (``surge risk evaluate`` draws more periods)."""
+    from models.risk import RiskModel, evaluate_later_periods
 
     model = RiskModel.load()
-    trained = model.meta.get("sim_config") or {}
-    start = int(trained.get("start_ms", SimConfig().start_ms) + trained.get("days", 14) * DAY_MS)
-    cfg = SimConfig(
+    seed = int((model.meta.get("sim_config") or {}).get("seed", 7))
+    res = evaluate_later_periods(
+        model,
+        [seed],
         customers=plan.eval_customers,
-        days=plan.warm_days + plan.eval_days,
-        seed=int(trained.get("seed", 7)),
-        start_ms=start,
+        days=plan.eval_days,
+        warm_days=plan.warm_days,
+        progress=False,
     )
-    X, y, times, rows = replay(simulate(cfg))
-    later = [t >= start + plan.warm_days * DAY_MS for t in times]
-    mask = np.asarray(later)
-    report = evaluate(model, X[mask], y[mask], [r for r, m in zip(rows, later, strict=True) if m])
-    report["period"] = {
-        "start_ms": int(start + plan.warm_days * DAY_MS),
-        "days": plan.eval_days,
-        "customers": plan.eval_customers,
-        "seed": cfg.seed,
-    }
-    report["model_version"] = model.version
+    report: dict[str, Any] = res["periods"][0]
+    report["model_version"] = res["model_version"]
     return report
 
 
