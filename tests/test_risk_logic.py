@@ -33,7 +33,7 @@ from pipeline.risk.records import (
 )
 from pipeline.risk.reference import compare, recompute
 from pipeline.risk.rules import DEFAULT_RULES, Rule, RuleBook, RuleError, RuleSet, parse_rule
-from pipeline.risk.simulate import SCENARIOS, SimConfig, as_event, disorder, simulate
+from pipeline.risk.simulate import DAY_MS, SCENARIOS, SimConfig, as_event, disorder, simulate
 from pipeline.risk.stages import (
     RepartitionRecordError,
     Stage,
@@ -436,6 +436,22 @@ def test_simulator_is_deterministic_with_a_seed_and_labels_every_scenario() -> N
     )
     with pytest.raises(ValueError, match="customers"):
         SimConfig(customers=1)
+
+
+def test_a_later_period_of_a_seed_is_the_same_world_with_new_days() -> None:
+    """A model trained on one period and scored on the next must not meet its training days again."""
+    first = SimConfig(customers=200, days=3, seed=7)
+    later = SimConfig(customers=200, days=3, seed=7, start_ms=first.start_ms + 3 * DAY_MS)
+    a, b = simulate(first), simulate(later)
+    owner_a = {e["card"]: e["account"] for e in a if not e["label"] and e["card"]}
+    owner_b = {e["card"]: e["account"] for e in b if not e["label"] and e["card"]}
+    both = owner_a.keys() & owner_b.keys()
+    assert len(both) > 0.8 * len(owner_b), "the same customers with the same cards"
+    assert all(owner_a[c] == owner_b[c] for c in both)
+    assert min(e["event_time_ms"] for e in b) >= later.start_ms
+    shifted = [(e["account"], e["type"], e["amount"], e["event_time_ms"] - first.start_ms) for e in a]
+    again = [(e["account"], e["type"], e["amount"], e["event_time_ms"] - later.start_ms) for e in b]
+    assert len(set(shifted) & set(again)) < 0.01 * len(shifted), "new days, not the first ones shifted"
 
 
 def test_disorder_moves_events_back_within_or_beyond_the_grace() -> None:

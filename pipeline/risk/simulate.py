@@ -18,6 +18,9 @@ Fraud scenarios (``scenario`` on each fraudulent event, ``label`` 1):
   followed by a large one.
 
 Deterministic: the same :class:`SimConfig` (seed included) gives the same events, byte for byte.
+The customers, merchants and devices depend on the seed only; their events on the seed and the start,
+so a later period of the same seed continues the same world with new days (a model trained on one
+period is never scored on a time-shifted copy of it).
 :func:`disorder` then makes a share of events arrive out of order (within the grace period) or late.
 
 Pure: standard library only.
@@ -316,10 +319,13 @@ def simulate(cfg: SimConfig | None = None) -> list[dict[str, Any]]:
     ``scenario``; event ids are ``ev<seed>-<n>`` in that order."""
     cfg = cfg or SimConfig()
     w = _World(cfg)
+    # the world comes from the seed alone, what happens in it from the seed and the period's start: a
+    # later period of the same seed is the same customers going on, never the same days again
+    period = f"{cfg.seed}/{cfg.start_ms}"
     events: list[dict[str, Any]] = []
     for c in w.customers:
-        events += _legit(w, c, random.Random(cfg.seed * 1_000_003 + c.idx))
-    events += _fraud(w, events, random.Random(cfg.seed * 7919 + 17))
+        events += _legit(w, c, random.Random(f"{period}/legit/{c.idx}"))
+    events += _fraud(w, events, random.Random(f"{period}/fraud"))
     events.sort(key=lambda e: (e["event_time_ms"], e["account"], e["type"], e["amount"]))
     for n, e in enumerate(events):
         e["event_id"] = f"ev{cfg.seed}-{n:08d}"

@@ -16,8 +16,8 @@ Latency is produce to decision, from the decision records (``decided_ms - produc
 on this machine). Afterwards every decision (repeats after the crash included) is checked against
 the brute-force recomputation from the events each stage read (:mod:`pipeline.devtools.bench.risk_check`),
 every event must have a decision, and repeats must be identical. Model quality: recall at a 1 %
-false-positive rate on a later simulated period (the packaged model was trained on days 0-14 of the
-same world), the model against the default rules alone. ``--quick`` runs every phase small.
+false-positive rate on the simulated days after the packaged model's training period (the same world,
+new days), the model against the default rules alone. ``--quick`` runs every phase small.
 """
 
 from __future__ import annotations
