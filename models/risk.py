@@ -347,6 +347,12 @@ def evaluate_later_periods(
         X, y, times, rows = replay(simulate(cfg))
         later = np.asarray([t >= cut for t in times], dtype=bool)
         kept = [r for r, m in zip(rows, later, strict=True) if m]
+        fraud = int(y[later].sum())
+        if fraud == 0 or fraud == int(later.sum()):
+            raise RiskModelError(
+                f"period of seed {seed} has {fraud} fraudulent of {int(later.sum())} events: recall needs "
+                f"both; simulate more than {customers} customers or {days:g} days"
+            )
         report = evaluate(model, X[later], y[later], kept)
         report["period"] = {"start_ms": int(cut), "days": days, "customers": customers, "seed": seed}
         periods.append(report)

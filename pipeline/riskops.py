@@ -129,7 +129,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from models.risk import RiskModel, evaluate_later_periods
+    from models.risk import RiskModel, RiskModelError, evaluate_later_periods
 
     try:
         seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
@@ -139,10 +139,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if not seeds:
         print("--seeds: at least one seed", file=sys.stderr)
         return 2
-    model = RiskModel.load(args.model)
-    res = evaluate_later_periods(
-        model, seeds, customers=args.customers, days=args.days, warm_days=args.warm_days
-    )
+    try:
+        model = RiskModel.load(args.model)
+        res = evaluate_later_periods(
+            model, seeds, customers=args.customers, days=args.days, warm_days=args.warm_days
+        )
+    except RiskModelError as exc:
+        print(f"surge risk evaluate: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     if args.plot:

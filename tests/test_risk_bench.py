@@ -66,12 +66,12 @@ def test_later_periods_are_scored_each_and_pooled(capsys: pytest.CaptureFixture[
     """Each seed's period is the simulation after the training period, scored after its warm-up days;
     the pooled report scores every period's events together; the CLI prints both."""
     model = RiskModel.load()
-    res = evaluate_later_periods(model, [7, 3], customers=300, days=2, warm_days=1, progress=False)
+    res = evaluate_later_periods(model, [7, 3], customers=400, days=3, warm_days=1, progress=False)
     one, other = res["periods"]
     assert [one["period"]["seed"], other["period"]["seed"]] == [7, 3]
-    # the seed-7 period, computed by hand: the world the model was trained on, after its 14 days
-    start = model.meta["sim_config"]["start_ms"] + 14 * DAY_MS
-    X, y, times, rows = replay(simulate(SimConfig(customers=300, days=3, seed=7, start_ms=start)))
+    # the seed-7 period, computed by hand: the world the model was trained on, after its training days
+    start = int(model.meta["sim_config"]["start_ms"] + model.meta["sim_config"]["days"] * DAY_MS)
+    X, y, times, rows = replay(simulate(SimConfig(customers=400, days=4, seed=7, start_ms=start)))
     later = np.asarray([t >= start + DAY_MS for t in times])
     by_hand = evaluate(model, X[later], y[later], [r for r, m in zip(rows, later, strict=True) if m])
     assert one["model"] == by_hand["model"] and one["rules"] == by_hand["rules"]
@@ -84,7 +84,7 @@ def test_later_periods_are_scored_each_and_pooled(capsys: pytest.CaptureFixture[
 
     from pipeline.cli import main
 
-    argv = ["risk", "evaluate", "--seeds", "7,3", "--customers", "300", "--days", "2", "--warm-days", "1"]
+    argv = ["risk", "evaluate", "--seeds", "7,3", "--customers", "400", "--days", "3", "--warm-days", "1"]
     assert main([*argv, "--plot", str(tmp_path / "p.png"), "--json", str(tmp_path / "p.json")]) == 0
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "p.json").read_text())["pooled"] == pooled
@@ -94,6 +94,12 @@ def test_later_periods_are_scored_each_and_pooled(capsys: pytest.CaptureFixture[
     assert printed["pooled"]["ratio"] == pooled["recall_ratio_model_vs_rules"]
     assert main(["risk", "evaluate", "--seeds", "7,x"]) == 2
     assert "comma-separated integers" in capsys.readouterr().err
+    # a period too small to hold fraud says so instead of scoring nothing
+    assert (
+        main(["risk", "evaluate", "--seeds", "7", "--customers", "20", "--days", "0.5", "--warm-days", "0"])
+        == 2
+    )
+    assert "fraudulent of" in capsys.readouterr().err
 
 
 def test_packaged_model_beats_the_rules_on_its_own_report() -> None:
