@@ -8,8 +8,9 @@ stop on SIGTERM (docs/architecture.md, "Readiness and failover").
   ``drain_timeout_s``), acks it in offset order and commits, so the next owner does not read again
   what was answered. What is still unfinished then is read again and answered from the reply book.
 * SIGTERM: stop admitting, drain, commit, then the usual shutdown, which leaves the group: a
-  rolling restart loses and repeats nothing. With static membership (``SURGE_STATIC_MEMBERSHIP``)
-  the worker does not leave: its partitions wait for it until its session times out.
+  rolling restart loses and repeats nothing. A static member (``SURGE_STATIC_MEMBERSHIP``) leaves
+  too (:func:`pipeline.compat.leave_group_on_close_as_static_member`); a killed one is waited for
+  until its session times out, and one back before then gets its partitions without a rebalance.
 """
 
 from __future__ import annotations
@@ -86,6 +87,13 @@ class Lifecycle:
         #: assignments whose source partitions are still being sought to where reading starts
         #: (agents/acks.py, ``seek_to_starts``): not ready until the latest one is done
         self.seeking = 0
+        #: partition assignments this worker received (one per rebalance it took part in)
+        self.assignments = 0
+
+        async def count(_: set[TP]) -> None:
+            self.assignments += 1
+
+        on_partitions(app.on_partitions_assigned, count)
 
     async def warm_writes(self) -> None:
         """Load the producer's metadata of every topic this worker writes; then ``writes_ready``."""
@@ -168,7 +176,7 @@ class Lifecycle:
 
     async def graceful_stop(self) -> None:
         """SIGTERM: stop admitting, drain, commit; Faust's shutdown then leaves the group (a static
-        member keeps its partitions until its session times out, or it is back)."""
+        member too)."""
         self.stopping = True
         await self.drain(self.rt.settings.drain_timeout_s)
 
@@ -210,6 +218,7 @@ def serve_pages(
         body: dict[str, object] = {
             "role": settings.role,
             "assigned": len(app.consumer.assignment()),
+            "assignments": life.assignments,
             "gc_frozen_objects": gc.get_freeze_count(),
         }
         body.update(describe())

@@ -17,7 +17,7 @@ import faust
 from faust.auth import SASLCredentials, SSLCredentials
 from faust.types.auth import CredentialsT
 
-from pipeline.compat import set_fetch_max_wait
+from pipeline.compat import leave_group_on_close_as_static_member, set_fetch_max_wait
 from pipeline.kafka_security import ssl_context
 from pipeline.settings import Settings
 
@@ -76,6 +76,9 @@ def create_app(settings: Settings) -> faust.App:
     # faust.App takes them as ``**options: Any`` (typed dicts would be matched to its typed parameters)
     options: dict[str, Any] = dict(WEB_VIEWS_OFF)
     if settings.static_instance_id:
+        # a static member leaves the group when it stops on purpose (SIGTERM), so its partitions move
+        # at once; a crashed one is still waited for (docs/architecture.md, "Readiness and failover")
+        leave_group_on_close_as_static_member()
         # Faust puts its URL into the group's assignment and checks it when a static member gets its
         # cached assignment back: keep it stable across restarts (surge routes nothing by it)
         options["canonical_url"] = f"http://{settings.static_instance_id}.worker"

@@ -211,3 +211,65 @@ def before_flow_resume(app: Any, callback: Any) -> None:
         original()
 
     flow.resume = resume
+
+
+def leave_group_on_close_as_static_member() -> None:
+    """Make a static member of a consumer group leave it when its consumer closes, as a dynamic
+    member does.
+
+    Why: aiokafka never sends LeaveGroup for a member with a ``group_instance_id`` (the point of static
+    membership: a member restarted within its session timeout gets its assignment back without a
+    rebalance), so a worker stopped on purpose held its partitions unserved until its session timed
+    out. Kafka 4.1 gave the Java consumer the same choice (KIP-1092, ``CloseOptions``): static
+    membership for crashes and quick restarts, an explicit leave on a deliberate stop. aiokafka's
+    LeaveGroup request stops at v1 (no instance id); v3 names the member by ``group_instance_id``.
+    Only :meth:`GroupCoordinator.close` leaves (the heartbeat is already stopped there, so the
+    member cannot rejoin after it); the leave on a poll timeout stays as aiokafka has it. Installed
+    once per process, for every static member (dynamic members are unchanged).
+    Private: ``GroupCoordinator.close``, ``_maybe_leave_group``, ``_group_instance_id``, ``_send_req``.
+    """
+    from aiokafka.consumer.group_coordinator import GroupCoordinator
+
+    gc_cls: Any = GroupCoordinator
+    if getattr(gc_cls, "_surge_static_leave_installed", False):
+        return
+    original_close = gc_cls.close
+    original_leave = gc_cls._maybe_leave_group
+
+    async def close(self: Any) -> None:
+        self._surge_closing = True
+        await original_close(self)
+
+    async def _maybe_leave_group(self: Any) -> None:
+        if getattr(self, "_surge_closing", False) and self.generation > 0 and self._group_instance_id:
+            await _leave_as_static_member(self)
+        await original_leave(self)
+
+    gc_cls.close = close
+    gc_cls._maybe_leave_group = _maybe_leave_group
+    gc_cls._surge_static_leave_installed = True
+
+
+async def _leave_as_static_member(coordinator: Any) -> None:
+    import logging
+
+    from aiokafka import errors
+
+    from pipeline.static_leave import StaticLeaveGroupRequest
+
+    log = logging.getLogger("surge.group")
+    request = StaticLeaveGroupRequest(
+        coordinator.group_id, coordinator.member_id, coordinator._group_instance_id
+    )
+    try:
+        resp = await coordinator._send_req(request)
+    except (errors.KafkaError, NotImplementedError) as exc:
+        log.error("LeaveGroup as static member %s failed: %r", coordinator._group_instance_id, exc)
+        return
+    codes = [resp.error_code, *(m[2] for m in resp.members)]
+    if any(codes):
+        log.error(
+            "LeaveGroup as static member %s refused: error codes %s", coordinator._group_instance_id, codes
+        )
+    else:
+        log.info("left the group as static member %s", coordinator._group_instance_id)

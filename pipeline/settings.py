@@ -98,8 +98,9 @@ class Settings(BaseSettings):
     static_membership: bool = Field(
         False,
         description="join the group with a stable group.instance.id: a worker back within "
-        "session_timeout_s gets its partitions without a rebalance, but a stopped one keeps them "
-        "unserved until then (pair it with restarts faster than the session timeout)",
+        "session_timeout_s gets its partitions without a rebalance, a crashed one keeps them unserved "
+        "until then (pair it with restarts faster than the session timeout), a stopped one (SIGTERM) "
+        "leaves the group at once",
     )
     group_instance_id: str = Field(
         "", description="static member id; empty: worker_id, else derived from the host and data_dir"

@@ -39,13 +39,19 @@ def test_the_private_attributes_exist() -> None:
     assert isinstance(faust.streams._current_event, ContextVar)
     assert callable(faust_aiokafka.Producer._ensure_producer)
     assert callable(AIOKafkaClient.force_metadata_update)
-    # leave_group: Faust's consumer thread, its aiokafka consumer and that consumer's group coordinator
+    # commit_offsets, seek_wait: Faust's consumer thread and its aiokafka consumer
     assert "self._thread = self._new_consumer_thread()" in inspect.getsource(ThreadDelegateConsumer)
     assert callable(faust_aiokafka.AIOKafkaConsumerThread._ensure_consumer)
     assert callable(faust_aiokafka.AIOKafkaConsumerThread.call_thread)
+    # leave_group_on_close_as_static_member: the coordinator closes, then "maybe" leaves (never as a
+    # static member), with the member's identity in these attributes
     assert "self._coordinator = GroupCoordinator(" in inspect.getsource(AIOKafkaConsumer)
     assert "self._group_instance_id = group_instance_id" in inspect.getsource(GroupCoordinator)
-    assert inspect.iscoroutinefunction(GroupCoordinator._maybe_leave_group)
+    assert "await self._maybe_leave_group()" in inspect.getsource(GroupCoordinator.close)
+    assert "self._group_instance_id is None" in inspect.getsource(GroupCoordinator._maybe_leave_group)
+    assert inspect.iscoroutinefunction(GroupCoordinator._send_req)
+    source = inspect.getsource(GroupCoordinator)
+    assert all(f"self.{attr} =" in source for attr in ("generation", "member_id", "group_id"))
     assert inspect.iscoroutinefunction(ThreadDelegateConsumer._commit)  # commit_offsets
     # the Acker seeks with seek_wait (run on the consumer's own thread, waits for the position)
     assert "call_thread(self._seek_wait" in inspect.getsource(faust_aiokafka.AIOKafkaConsumerThread.seek_wait)
@@ -176,3 +182,46 @@ def test_flow_control_resume_empties_the_stream_buffers_after_the_callback_saw_t
     app.flow_control.resume()
     assert seen == [2], "the callback runs before the buffers are emptied"
     assert queue.qsize() == 0, "mode no longer empties the buffers on resume: revisit before_flow_resume"
+
+
+async def _group_consumer(bootstrap: str, group: str, instance: str, topic: str) -> AIOKafkaConsumer:
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        group_id=group,
+        group_instance_id=instance,
+        session_timeout_ms=30_000,
+        heartbeat_interval_ms=500,
+    )
+    await consumer.start()
+    return consumer
+
+
+async def _until_assigned(consumer: AIOKafkaConsumer, n: int, timeout_s: float) -> float:
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    while loop.time() - t0 < timeout_s:
+        await consumer.getmany(timeout_ms=100)  # drives the group protocol
+        if len(consumer.assignment()) == n:
+            return loop.time() - t0
+    raise AssertionError(
+        f"{len(consumer.assignment())} partitions assigned, {n} expected, after {timeout_s} s"
+    )
+
+
+async def test_a_static_member_leaves_the_group_when_it_closes(kafka: EmbeddedKafka) -> None:
+    """Without the helper the survivor waits for the closed member's 30 s session; with it, a second."""
+    compat.leave_group_on_close_as_static_member()
+    compat.leave_group_on_close_as_static_member()  # installed once however often it is called
+    topic = await _create_topic(kafka.bootstrap, 4)
+    group = f"static-{uuid.uuid4().hex[:8]}"
+    a = await _group_consumer(kafka.bootstrap, group, "member-a", topic)
+    await _until_assigned(a, 4, 30)
+    b = await _group_consumer(kafka.bootstrap, group, "member-b", topic)
+    try:
+        await asyncio.gather(_until_assigned(a, 2, 30), _until_assigned(b, 2, 30))
+        await a.stop()
+        took = await _until_assigned(b, 4, 25)
+        assert took < 10, f"the survivor got the partitions {took:.1f} s after the static member closed"
+    finally:
+        await b.stop()
