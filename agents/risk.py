@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -34,6 +33,7 @@ from pipeline.client import partitions_of
 from pipeline.kafka_security import client_options
 from pipeline.metrics import create_metrics
 from pipeline.records import now_ms
+from pipeline.risk import jsonio
 from pipeline.risk.decide import Thresholds, decide
 from pipeline.risk.features import FeatureConfig, cents
 from pipeline.risk.records import ENTITY_KINDS, InvalidRiskEventError, decode_event, salvage_event_ids
@@ -490,7 +490,7 @@ class RiskAgents:
 
 
 def _dumps(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
+    return jsonio.dumps(obj)
 
 
 def register(rt: Runtime) -> RiskAgents:

@@ -18,11 +18,11 @@ force.
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.risk import jsonio
 from pipeline.risk.records import ENTITY_KINDS
 from pipeline.risk.windows import WINDOWS
 
@@ -106,20 +106,18 @@ class EntityState:
     def dumps(self) -> bytes:
         """Compact JSON bytes (what the RocksDB table and its changelog hold): ``{"h": head, "t": per
         window [[tile index, [count, cents, small, [values], ...]], ...], "s": seen, "r": recent ids}``."""
-        return json.dumps(
+        return jsonio.dumps(
             {
                 "h": self.head,
                 "t": [list(ts.items()) for ts in self.tiles],
                 "s": self.seen,
                 "r": list(self.recent),
-            },
-            separators=(",", ":"),
-            default=list,  # the sets of distinct values
-        ).encode()
+            }
+        )
 
     @classmethod
     def loads(cls, data: bytes, spec: EntitySpec, cfg: FeatureConfig) -> EntityState:
-        obj = json.loads(data)
+        obj = jsonio.loads(data)
         st = cls(spec, cfg)
         st.head = obj["h"]
         st.tiles = [{idx: [t[0], t[1], t[2], *map(set, t[3:])] for idx, t in ts} for ts in obj["t"]]

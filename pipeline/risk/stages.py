@@ -21,7 +21,6 @@ record's produce time and ``rx`` when the account stage read it.
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from functools import lru_cache
 from typing import Any
 
 from pipeline.exceptions import SurgeError
+from pipeline.risk import jsonio
 from pipeline.risk.features import DUP, LATE, NAMES, SPECS, EntityState, FeatureConfig, step
 from pipeline.risk.records import ENTITY_KINDS
 
@@ -93,13 +93,13 @@ def new_item(event: dict[str, Any], rule_version: str, produced_ms: int, receive
 
 def pack(items: Sequence[dict[str, Any]]) -> bytes:
     """One repartition record holding ``items``."""
-    return json.dumps({"items": list(items)}, separators=(",", ":")).encode()
+    return jsonio.dumps({"items": list(items)})
 
 
 def unpack(raw: bytes | None, where: tuple[str, int, int]) -> list[dict[str, Any]]:
     """The items of one repartition record; :class:`RepartitionRecordError` for anything else."""
     try:
-        items = json.loads(raw or b"")["items"]
+        items = jsonio.loads(raw or b"")["items"]
         if not isinstance(items, list) or not all(
             isinstance(i, dict) and isinstance(i.get("e"), dict) and isinstance(i.get("f"), dict)
             for i in items
