@@ -682,6 +682,10 @@ class SaslKafka(EmbeddedKafka):
         self.sasl_port = free_port()
 
     def _write_config(self, port: int, controller_port: int) -> Path:
+        # chosen before the broker's own two ports: free_port() may hand out one of those again
+        # (CI once got CONTROLLER and SASL_PLAINTEXT on the same port, and the broker refused to format)
+        while self.sasl_port in (port, controller_port):
+            self.sasl_port = free_port()
         path = super()._write_config(port, controller_port)
         cfg = dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
         sasl = f"SASL_PLAINTEXT://{self.host}:{self.sasl_port}"
@@ -697,6 +701,17 @@ class SaslKafka(EmbeddedKafka):
         )
         path.write_text("".join(f"{k}={v}\n" for k, v in cfg.items()))
         return path
+
+
+def test_the_sasl_listener_never_shares_a_port_with_the_broker_s_own(tmp_path: Path) -> None:
+    broker = SaslKafka(tmp_path / "kafka", users={"surge": "s3cret"})
+    broker.data_dir.mkdir(parents=True)
+    port, cport = free_port(), free_port()
+    broker.sasl_port = cport  # what free_port() handed out once in CI
+    cfg = broker._write_config(port, cport).read_text()
+    listeners = next(line for line in cfg.splitlines() if line.startswith("listeners="))
+    ports = [int(x.rsplit(":", 1)[1]) for x in listeners.split("=", 1)[1].split(",")]
+    assert len(ports) == 3 and len(set(ports)) == 3, listeners
 
 
 @pytest.mark.integration
