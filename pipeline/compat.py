@@ -13,6 +13,7 @@ keeps both below their next minor release.
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,8 @@ if TYPE_CHECKING:  # faust is imported where it is used: the gateway and clients
 
 #: the library versions these helpers were written and tested against
 WRITTEN_FOR: dict[str, str] = {"faust-streaming": "0.15.3", "aiokafka": "0.14.0"}
+
+log = logging.getLogger("surge.compat")
 
 
 def kafka_producer(producer: ProducerT) -> AIOKafkaProducer:
@@ -251,13 +254,10 @@ def leave_group_on_close_as_static_member() -> None:
 
 
 async def _leave_as_static_member(coordinator: Any) -> None:
-    import logging
-
     from aiokafka import errors
 
     from pipeline.static_leave import StaticLeaveGroupRequest
 
-    log = logging.getLogger("surge.group")
     request = StaticLeaveGroupRequest(
         coordinator.group_id, coordinator.member_id, coordinator._group_instance_id
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -22,7 +23,7 @@ def _assigned(d: Deployment) -> list[int]:
     return [int(w.status()["assigned"]) for w in d.workers if w.running]  # type: ignore[call-overload]
 
 
-async def _until(what: str, check, timeout_s: float) -> float:  # type: ignore[no-untyped-def]
+async def _until(what: str, check: Callable[[], bool], timeout_s: float) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         if check():
