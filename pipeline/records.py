@@ -284,13 +284,31 @@ def salvage_object(raw: bytes | None) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def salvaged_id(value: object, max_len: int = 128) -> str | None:
+    """``value`` when it can serve as an id in an error reply: a string of 1 to ``max_len`` characters
+    that UTF-8 can encode. JSON's ``"\\ud800"`` escape decodes to a lone surrogate, which no encoder
+    can write as UTF-8 (a record key, orjson): such an id would fail the error reply itself, and the
+    record would stop the worker on every redelivery. Those records get a dead letter only."""
+    if not (isinstance(value, str) and 0 < len(value) <= max_len):
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return value
+
+
 def salvage_ids(raw: bytes | None) -> tuple[str, str, str | None] | None:
     """``(request_id, user_id, reply_to)`` from a record that failed validation, when readable."""
     data = salvage_object(raw)
     if data is None:
         return None
-    rid, uid, reply_to = data.get("request_id"), data.get("user_id"), data.get("reply_to")
-    if not (isinstance(rid, str) and isinstance(uid, str) and 0 < len(rid) <= 128 and 0 < len(uid) <= 128):
+    rid, uid, reply_to = (
+        salvaged_id(data.get("request_id")),
+        salvaged_id(data.get("user_id")),
+        data.get("reply_to"),
+    )
+    if rid is None or uid is None:
         return None
     if not (isinstance(reply_to, str) and len(reply_to) <= 249 and _TOPIC_RE.fullmatch(reply_to)):
         reply_to = None

@@ -427,3 +427,15 @@ def test_request_round_trips_through_encode() -> None:
     req = decode(raw_of(base(priority="batch", deadline_ms=900, created_at=1_700_000_000_000)))
     assert decode(encode(req)) == req
     assert "messages" not in json.loads(encode(req))
+
+
+@pytest.mark.parametrize("field", ["request_id", "user_id"])
+def test_salvage_ids_refuses_an_id_that_utf8_cannot_write(field: str) -> None:
+    # "\ud800" is valid JSON that decodes to a lone surrogate: as the key or body of an error reply it
+    # cannot be encoded, and the record would stop the worker on every redelivery
+    ids = {"request_id": "r9", "user_id": "u9", field: "x\ud800"}
+    raw = json.dumps({**ids, "max_tokens": -3}).encode()
+    assert b"\\ud800" in raw
+    with pytest.raises(InvalidRequestError):
+        decode(raw, key=b"u9")
+    assert salvage_ids(raw) is None

@@ -111,6 +111,9 @@ async def test_features_at_window_edges_out_of_order_late_rekeyed_and_bad_events
             json.dumps({k: v for k, v in event("b3", a[0], T0).items() if k != "event_id"}).encode(),
         ),
         (a[0].encode(), json.dumps(event("b4", a[0], T0, type="login")).encode()),  # a login with an amount
+        # an event id that decodes to a lone surrogate: no error decision can carry it (UTF-8 cannot
+        # write it), so a dead letter only, and the worker goes on (it stopped on it, every redelivery)
+        (a[0].encode(), json.dumps(event("b5\ud800", a[0], T0, amount=-5)).encode()),
     ]
     errors = {eid: c.expect(eid) for eid in ("b1", "b2", "b4")}
     decisions = {}

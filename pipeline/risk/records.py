@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.exceptions import InvalidRequestError
-from pipeline.records import ErrorInfo, check_key, check_size, describe, salvage_object
+from pipeline.records import ErrorInfo, check_key, check_size, describe, salvage_object, salvaged_id
 
 EventType = Literal["payment", "transfer", "login"]
 Outcome = Literal["approve", "review", "decline", "error"]
@@ -131,7 +131,5 @@ def salvage_event_ids(raw: bytes | None) -> tuple[str, str] | None:
     data = salvage_object(raw)
     if data is None:
         return None
-    eid, account = data.get("event_id"), data.get("account")
-    if isinstance(eid, str) and isinstance(account, str) and 0 < len(eid) <= 128 and 0 < len(account) <= 128:
-        return eid, account
-    return None
+    eid, account = salvaged_id(data.get("event_id")), salvaged_id(data.get("account"))
+    return (eid, account) if eid is not None and account is not None else None
