@@ -54,7 +54,11 @@ class Settings(BaseSettings):
         "(Faust's exactly_once was never made real here and is refused)",
     )
     session_timeout_s: float = Field(
-        10.0, gt=1, le=300, description="consumer session timeout: how soon a dead worker's partitions move"
+        6.0,
+        gt=1,
+        le=300,
+        description="consumer session timeout: how soon a dead worker's partitions move (6 s: the "
+        "shortest a broker accepts at its default group.min.session.timeout.ms)",
     )
     commit_interval_ms: int = Field(
         500, ge=50, le=60_000, description="how often acked offsets are committed"

@@ -220,7 +220,7 @@ def test_a_survivor_hears_of_a_dead_member_within_a_second_of_its_session_expiri
     from pipeline.app import create_app
 
     app = create_app(Settings.load())
-    assert app.conf.broker_session_timeout == 10.0
+    assert app.conf.broker_session_timeout == 6.0
     assert app.conf.broker_heartbeat_interval <= 1.0
     short = create_app(Settings.load(session_timeout_s=4))
     assert short.conf.broker_heartbeat_interval <= 0.4
