@@ -8,7 +8,11 @@ futures. The Acker commits the released offsets itself (:meth:`Acker.commit`, on
 every drain) rather than through Faust's ack bookkeeping, which commits past records it never
 delivered and forgets acks at a rebalance. On a rebalance the ledgers of revoked partitions are
 dropped: records still in flight from them are answered but never committed, so the next owner
-reads them again (and the reply table makes that repeat identical).
+reads them again (and the reply table makes that repeat identical). What this worker finished there
+but could not commit (behind an unfinished record) is remembered: when the partition comes back to
+it, those records are acked as they are read, not worked on and answered again. A rebalance's drain
+may also give back admitted work (:meth:`Acker.put_back`): never committed here, read again by the
+partition's owner.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from faust.types import TP, EventT
 
 from agents.offset_oracle import OffsetOracle
 from pipeline.compat import commit_offsets
-from pipeline.offsets import PartitionLedger
+from pipeline.offsets import LedgerError, PartitionLedger
 
 log = logging.getLogger("surge.acks")
 
@@ -58,6 +62,12 @@ class Acker:
         self._tasks: set[asyncio.Task[None]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+        #: per partition, offsets finished here but not committed when it was revoked (their outputs
+        #: are on the broker): acked without work if the partition comes back
+        self._done_before: dict[TP, set[int]] = {}
+        #: records given back by rebalance drains, and records acked again without work
+        self.given_back = 0
+        self.done_again = 0
         #: bumped on every rebalance: records received before it are stale
         self.generation = 0
 
@@ -82,6 +92,15 @@ class Acker:
             ledger = self._ledgers.setdefault(msg.tp, PartitionLedger(start))
             if start is not None and msg.offset > start:
                 log.info("%s: reading starts at %d, first record delivered is %d", msg.tp, start, msg.offset)
+        done = self._done_before.get(msg.tp)
+        if done is not None and msg.offset in done and ledger.read(msg.offset, None):
+            # finished here before the partition was revoked: its outputs are on the broker
+            done.discard(msg.offset)
+            ledger.finish(msg.offset)
+            self.done_again += 1
+            if self.pending() == 0:
+                self._idle.set()
+            return None
         if not ledger.read(msg.offset, None):  # nothing to hand back: the Acker commits offsets
             # fetched twice (the fetcher may hand over records from an older position first):
             # in flight here or already released
@@ -99,11 +118,33 @@ class Acker:
         ledger = self._ledgers.get(event.message.tp)
         return ledger is not None and ledger.is_repeat(event.message.offset)
 
+    def done_here(self, event: EventT, generation: int) -> bool:
+        """Whether this record was finished here before its partition was revoked (so
+        :meth:`track` acks it without work); a reader checks before it waits for admission room."""
+        done = self._done_before.get(event.message.tp)
+        return generation == self.generation and done is not None and event.message.offset in done
+
+    def put_back(self, ticket: Ticket) -> None:
+        """Give a record taken on back unfinished (a rebalance's drain, for work that has not
+        reached the model): it is never committed here and no drain waits for it any more; its
+        partition's owner reads it again."""
+        if self._ledgers.get(ticket.tp) is not ticket.ledger:
+            return  # revoked meanwhile: nothing of it will be committed here anyway
+        try:
+            ticket.ledger.put_back(ticket.offset)
+        except LedgerError:  # finished or released already: its outputs are on the broker
+            return
+        self.given_back += 1
+        if self.pending() == 0:
+            self._idle.set()
+
     def keep_only(self, assigned: Iterable[TP]) -> None:
         """Called on every assignment with the whole new assignment: drop the ledgers of partitions
         no longer assigned (aiokafka may assign anew without a revocation first, and a ledger of a
         partition owned elsewhere would hold the drain and the hole check for ever)."""
         keep = set(assigned)
+        for tp in [tp for tp in self._done_before if tp not in keep]:
+            del self._done_before[tp]  # another worker owns it now: it reads those records itself
         gone = [tp for tp in self._ledgers if tp not in keep]
         if gone:
             log.warning("assignment without a revocation: dropping %d partitions' ledgers", len(gone))
@@ -186,8 +227,8 @@ class Acker:
         return Ticket(msg.tp, ledger, msg.offset)
 
     def pending(self) -> int:
-        """Records read and not yet acked, over every partition."""
-        return sum(len(ledger) for ledger in self._ledgers.values())
+        """Records read and not yet finished (nor given back), over every partition."""
+        return sum(ledger.in_flight for ledger in self._ledgers.values())
 
     async def finish(self, tickets: Iterable[Ticket]) -> None:
         """Mark records finished and ack the finished prefix of each of their partitions."""
@@ -292,8 +333,16 @@ class Acker:
         self.generation += 1
         self._starts.clear()
         for tp in tps:
-            self._ledgers.pop(tp, None)
+            ledger = self._ledgers.pop(tp, None)
             self._committed.pop(tp, None)
+            if ledger is not None:
+                base = ledger.next_release
+                done = self._done_before.get(tp, set()) | ledger.finished_unreleased()
+                done = {offset for offset in done if base is None or offset >= base}
+                if done:
+                    self._done_before[tp] = done
+                else:
+                    self._done_before.pop(tp, None)
         if self.pending() == 0:
             self._idle.set()
 

@@ -189,6 +189,8 @@ class Inference:
             "batches": self.batcher.batches,
             "degradation_level": self.controller.level,
             "unacked_records": self.rt.acker.pending(),
+            "given_back_records": self.rt.acker.given_back,
+            "acked_again_without_work": self.rt.acker.done_again,
             "work_bound": self.work_bound(),
         }
 
@@ -197,10 +199,12 @@ class Inference:
         """Whether a reader of ``priority`` may take its next record; called before each read.
 
         Room in the class (embedding backlog included), room in the embedding backlog, and (under
-        EDF) nothing waiting in any higher class. Never while the worker is stopping.
+        EDF) nothing waiting in any higher class. Never while the worker is stopping or giving up its
+        partitions (a record held then is read again by its partition's owner).
         """
         s = self.rt.settings
-        if self.rt.lifecycle is not None and self.rt.lifecycle.stopping:
+        life = self.rt.lifecycle
+        if life is not None and (life.stopping or life.revoking):
             return False
         if self.waiting(priority) >= s.queue_limit_per_class:
             return False
@@ -241,6 +245,9 @@ class Inference:
         await self.ready.wait()
         if rt.acker.is_repeat(event, generation):  # dropped untouched, as track() would after the wait
             return
+        if rt.acker.done_here(event, generation):  # finished before a rebalance: acked, no work
+            await rt.acker.track(event, generation)
+            return
         await self._wait_admit(priority)
         await rt.lifecycle.hold_if_stopping()
         # tracked only once admitted: a record still held by a waiting reader at a stop or a
@@ -274,6 +281,32 @@ class Inference:
         pending.template = degrade_plan.use_template and self.template_model is not None
         self._arrivals[priority].append(pending)
         self._arrived.set()
+
+    def wake_readers(self) -> None:
+        """Let readers waiting for admission look again (a rebalance's drain is over)."""
+        self._room.set()
+
+    def give_back(self) -> int:
+        """Called by a rebalance's drain once its grace is over: hand back every admitted item that
+        has not reached the model (waiting to be embedded, or queued), with the followers merged
+        into them and their twins. Nothing is answered or acked for them here: their partitions'
+        owner reads them again (docs/architecture.md, "Readiness and failover"). Returns how many
+        records were given back."""
+        items: list[Pending] = []
+        for waiting in self._arrivals.values():
+            items.extend(waiting)
+            waiting.clear()
+        items.extend(queued.payload for queued in self.scheduler.take_all())
+        given = 0
+        for pending in items:
+            for one in [pending, *(follower for follower, _ in self.merges.close(pending.lead_id))]:
+                self._answered(one)
+                for copy in [one, *one.twins]:
+                    self.rt.acker.put_back(copy.ticket)
+                    given += 1
+        if items:
+            self._room.set()
+        return given
 
     def _pending(self, stream: faust.StreamT, event: EventT, ticket: Ticket, work: WorkItem) -> Pending:
         req = work.request

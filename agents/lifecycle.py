@@ -4,9 +4,13 @@ stop on SIGTERM (docs/architecture.md, "Readiness and failover").
 * Ready: models loaded and warm (before the worker even joins the group), partitions assigned, no
   rebalance under way, table recovery done. ``/readyz`` answers 200 from then on, and the line
   ``surge worker ready`` is printed once (the demo, the benchmarks and the tests wait for it).
-* Rebalance: before giving up its partitions, a worker lets the work it admitted finish (at most
-  ``drain_timeout_s``), acks it in offset order and commits, so the next owner does not read again
-  what was answered. What is still unfinished then is read again and answered from the reply book.
+* Rebalance: before giving up its partitions, a worker admits nothing more and lets the work it
+  admitted finish for ``rebalance_grace_ms``; then it gives back what has not reached the model
+  (read again by the partition's owner: no reply was sent for it) and waits only for the batches in
+  the model (at most ``drain_timeout_s`` in all). It acks in offset order and commits, so the next
+  owner does not read again what was answered; what it finished behind a given-back record is acked
+  without work if the partition comes back to it. The whole group waits for the slowest member's
+  drain, so under overload this keeps a rebalance from stalling every worker for the full timeout.
 * SIGTERM: stop admitting, drain, commit, then the usual shutdown, which leaves the group: a
   rolling restart loses and repeats nothing. A static member (``SURGE_STATIC_MEMBERSHIP``) leaves
   too (:func:`pipeline.compat.leave_group_on_close_as_static_member`); a killed one is waited for
@@ -81,6 +85,8 @@ class Lifecycle:
         self.ready = asyncio.Event()
         #: set on SIGTERM: readers take on nothing new
         self.stopping = False
+        #: set while a rebalance's drain runs: readers take on nothing new until it is over
+        self.revoking = False
         #: the producer knows every topic surge writes (tables pick changelog partitions with the
         #: producer's partitioner, which needs a topic's metadata before its first write)
         self.writes_ready = asyncio.Event()
@@ -142,10 +148,25 @@ class Lifecycle:
             flush=True,
         )
 
-    async def drain(self, timeout_s: float) -> bool:
-        """Let admitted work finish and be acked, then commit; True when nothing was left over."""
+    async def drain(self, timeout_s: float, give_back_after_s: float | None = None) -> bool:
+        """Let admitted work finish and be acked, then commit; True when nothing was left over.
+
+        ``give_back_after_s`` (a rebalance): after that long, work that has not reached the model is
+        given back (:meth:`agents.inference.Inference.give_back`), again every 0.2 s for what the
+        embedding stage hands on meanwhile, and only the batches in the model are waited for."""
         t0 = time.perf_counter()
-        ok = await self.rt.acker.wait_idle(timeout_s)
+        acker = self.rt.acker
+        inf = self.rt.inference
+        if give_back_after_s is None or inf is None:
+            ok = await acker.wait_idle(timeout_s)
+        else:
+            ok = await acker.wait_idle(min(give_back_after_s, timeout_s))
+            given = 0
+            while not ok and (left := timeout_s - (time.perf_counter() - t0)) > 0:
+                given += inf.give_back()
+                ok = await acker.wait_idle(min(0.2, left))
+            if given:
+                log.warning("rebalance: gave back %d records that had not reached the model", given)
         committed = False
         try:
             committed = await self.rt.acker.commit()
@@ -169,8 +190,14 @@ class Lifecycle:
     async def on_revoked(self, revoked: set[TP]) -> None:
         """Called by Faust on every rebalance, after it paused the partitions."""
         s = self.rt.settings
-        ok = await self.drain(s.drain_timeout_s)
-        self.rt.acker.revoke(revoked)
+        self.revoking = True
+        try:
+            ok = await self.drain(s.drain_timeout_s, give_back_after_s=s.rebalance_grace_ms / 1000)
+            self.rt.acker.revoke(revoked)
+        finally:
+            self.revoking = False
+            if self.rt.inference is not None:
+                self.rt.inference.wake_readers()
         if not ok:
             log.warning("rebalance: in-flight work not finished in time; it will be read again")
 

@@ -13,6 +13,13 @@ An offset that is not in the log at all (a transaction marker, a compacted recor
 run back for ever; the agent that finds such a hole confirms it with the broker and skips it
 (:meth:`PartitionLedger.skip_to`).
 
+A record taken on may also be *given back* (:meth:`PartitionLedger.put_back`): a rebalance's drain
+hands back admitted work that has not reached the model, so the partition's owner reads it again.
+The run never passes a given-back offset, so it is never committed by this owner; it no longer
+counts as in flight. And what a ledger finished but could not release (behind an unfinished or
+given-back record) is what the same worker need not do again when the partition comes back to it
+(:meth:`PartitionLedger.finished_unreleased`).
+
 Pure: no Kafka or Faust imports.
 """
 
@@ -40,6 +47,8 @@ class PartitionLedger(Generic[T]):
 
     def __init__(self, start: int | None = None) -> None:
         self._entries: dict[int, list[object]] = {}  # offset -> [done, token]
+        self._given_back: set[int] = set()  # taken on, then handed back unfinished: never released
+        self._unfinished = 0
         self._base = start  # the next offset to release
         self._last: int | None = None
         self.released = 0
@@ -47,8 +56,13 @@ class PartitionLedger(Generic[T]):
         self.commit_point: int | None = None
 
     def __len__(self) -> int:
-        """Records read and not yet released."""
+        """Records read and not yet released (given-back ones left out: nobody works on them)."""
         return len(self._entries)
+
+    @property
+    def in_flight(self) -> int:
+        """Records read and not finished (nor given back): what a drain waits for."""
+        return self._unfinished
 
     def __contains__(self, offset: object) -> bool:
         """Whether ``offset`` was read and is not released yet."""
@@ -68,7 +82,9 @@ class PartitionLedger(Generic[T]):
         """Whether :meth:`read` would refuse ``offset`` now (in flight here, already released, or
         before the start); reads nothing. Lets a reader drop a repeat delivery before it waits for
         anything (the hole check's seek delivers every record after the hole again)."""
-        return self._base is not None and (offset < self._base or offset in self._entries)
+        return self._base is not None and (
+            offset < self._base or offset in self._entries or offset in self._given_back
+        )
 
     def read(self, offset: int, token: T) -> bool:
         """Register a record as it is read; False for a repeat (in flight here, already released,
@@ -78,17 +94,43 @@ class PartitionLedger(Generic[T]):
         if self.is_repeat(offset):
             return False
         self._entries[offset] = [False, token]
+        self._unfinished += 1
         if self._last is None or offset > self._last:
             self._last = offset
         return True
 
     def finish(self, offset: int) -> list[T]:
-        """Mark a record finished; returns the tokens now releasable (possibly none), in order."""
+        """Mark a record finished; returns the tokens now releasable (possibly none), in order. A
+        given-back record stays given back."""
         entry = self._entries.get(offset)
         if entry is None:
+            if offset in self._given_back:  # its work was under way after all: it stays unreleased
+                return []
             raise LedgerError(f"offset {offset} was never read, or was already released")
+        if not entry[0]:
+            self._unfinished -= 1
         entry[0] = True
         return self._release()
+
+    def put_back(self, offset: int) -> None:
+        """Hand a record taken on back unfinished: it stays unreleased (the run stops at it), is no
+        longer in flight, and a delivery of it again in this generation is a repeat."""
+        entry = self._entries.get(offset)
+        if entry is None or entry[0]:
+            raise LedgerError(f"offset {offset} is not in flight here: it cannot be given back")
+        del self._entries[offset]
+        self._unfinished -= 1
+        self._given_back.add(offset)
+
+    @property
+    def given_back(self) -> int:
+        """How many records were given back."""
+        return len(self._given_back)
+
+    def finished_unreleased(self) -> set[int]:
+        """Offsets finished here but held back from the run (behind an unfinished or given-back
+        record): their outputs are on the broker, so reading them again needs no work."""
+        return {offset for offset, (done, _) in self._entries.items() if done}
 
     def resume_point(self) -> int | None:
         """The first offset from the next release on that was not read: where reading must go on
@@ -97,14 +139,15 @@ class PartitionLedger(Generic[T]):
         point = self._base
         if point is None:
             return None
-        while point in self._entries:
+        while point in self._entries or point in self._given_back:
             point += 1
         return point
 
     def hole(self) -> int | None:
         """The offset the run waits for when it was never read though later ones were, else None."""
-        if self._entries and self._base is not None and self._base not in self._entries:
-            return self._base
+        base = self._base
+        if self._entries and base is not None and base not in self._entries and base not in self._given_back:
+            return base
         return None
 
     def skip_to(self, offset: int) -> list[T]:
@@ -132,5 +175,5 @@ class PartitionLedger(Generic[T]):
 
     def oldest_unfinished(self) -> int | None:
         """The offset that holds back the commit point, or None when nothing is pending."""
-        pending = [o for o, (done, _) in self._entries.items() if not done]
+        pending = [o for o, (done, _) in self._entries.items() if not done] + list(self._given_back)
         return min(pending) if pending else None

@@ -552,6 +552,14 @@ class Scheduler:
             del self._live[e.seq]
         return PoppedBatch(items=[e.item for e in taken], expired=expired, demoted=demoted, limit=limit)
 
+    def take_all(self) -> list[QueuedItem]:
+        """Remove every waiting item, in arrival order; called when a rebalance's drain gives the
+        admitted work back (its records are read again by their partition's owner)."""
+        entries = sorted(self._live.values(), key=lambda e: e.seq)
+        self.policy.discard(entries)
+        self._live.clear()
+        return [e.item for e in entries]
+
     def record_batch(self, size: int, seconds: float) -> None:
         """Feed the batch-time estimator; called after each model call with its size and duration."""
         self.estimator.observe(size, seconds)

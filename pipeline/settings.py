@@ -118,6 +118,15 @@ class Settings(BaseSettings):
     drain_timeout_s: float = Field(
         20.0, gt=0, description="on SIGTERM: longest wait for in-flight work to be answered and committed"
     )
+    rebalance_grace_ms: int = Field(
+        2000,
+        ge=0,
+        le=600_000,
+        description="on a rebalance: how long admitted work may keep running before what has not "
+        "reached the model is given back (read again by its partition's owner); the whole group waits "
+        "for the slowest member's drain, so under overload this bounds the stall (batches already in "
+        "the model still finish, up to drain_timeout_s)",
+    )
 
     # --- embedded broker ---------------------------------------------------------------------------
     kafka_version: str = Field("4.1.1", description="Apache Kafka version resolved from Maven Central")

@@ -504,3 +504,49 @@ async def test_followers_of_a_leader_degraded_while_queued_say_so_and_are_not_re
             repeat,
         )
         assert busy_reply.status == "ok"
+
+
+async def test_a_rebalance_gives_back_queued_work_and_what_it_finished_behind_it_is_not_done_twice(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    """The whole group waits for a member's rebalance drain. Past ``rebalance_grace_ms`` the drain
+    gives back what has not reached the model and waits only for the batch in the model: the queued
+    request is answered once, after the partition comes back, not during the drain. A record finished
+    behind it on the same partition (a dead-lettered one) is acked without work when it is read again:
+    one dead letter, not two."""
+    env = {"echo_delay_ms": "3000", "max_wait_ms": "5", "rebalance_grace_ms": "300"}
+    async with inprocess(kafka, tmp_path, **env) as w:
+        inf, life, acker = w.rt.inference, w.rt.lifecycle, w.rt.acker
+        assert inf is not None
+        busy = await w.client.submit(request("busy", "u0", "a question that keeps the model busy"))
+        await w.client.producer.flush()
+        for _ in range(100):  # in the model for 3 s
+            if inf.model_calls or inf.batcher.batches:
+                break
+            await asyncio.sleep(0.02)
+        queued = await w.client.submit(request("queued", "u1", "a question that waits", priority="batch"))
+        await w.client.producer.flush()
+        for _ in range(100):
+            if inf.scheduler.depth() == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert inf.scheduler.depth() == 1, "the second request waits behind the busy model"
+        work_topic = w.topics.work("batch")
+        (work,) = await w.records(work_topic, 1)
+        # a record behind it on its partition that is finished at once (no WorkItem: a dead letter)
+        await w.client.producer.send_and_wait(work_topic, b"not a work item", partition=work.partition)
+        await w.records(w.topics.deadletter, 1)
+        assigned = set(w.rt.app.consumer.assignment())
+        await life.on_revoked(assigned)  # what Faust calls when a rebalance starts
+        assert acker.given_back == 1 and inf.scheduler.depth() == 0 and not inf._inflight
+        assert not life.revoking, "readers may take records again"
+        (first,) = await w.replies(busy)
+        assert first.request_id == "r-busy", "the batch in the model finished during the drain"
+        # the partitions come back to this worker: reading starts again at the committed offsets
+        await acker.seek_to_starts([tp for tp in assigned if tp.topic in life.source_topics])
+        (answer,) = await w.replies(queued)
+        assert answer.status == "ok" and answer.served_from == "model"
+        await w.settled()
+        assert await w.count(w.topics.replies) == 2, "each request answered once"
+        assert await w.count(w.topics.deadletter) == 1, "the finished record was not worked on again"
+        assert acker.done_again == 1

@@ -159,3 +159,28 @@ def test_resume_point_is_the_first_offset_not_taken_on_from_the_next_release() -
     ledger.read(12, "12")
     assert ledger.resume_point() == 14
     assert not ledger.read(13, "13 again"), "what comes again after the seek is a repeat"
+
+
+def test_a_given_back_record_is_never_passed_and_no_longer_counts_as_in_flight() -> None:
+    """A rebalance's drain gives back work that has not reached the model: the run stops at it (its
+    next owner reads it again from the commit point), the drain no longer waits for it, and what was
+    finished after it is what the same worker need not do again."""
+    ledger: PartitionLedger[int] = PartitionLedger(start=100)
+    for off in range(100, 105):
+        ledger.read(off, off)
+    assert ledger.finish(100) == [100]
+    ledger.put_back(101)
+    ledger.put_back(103)
+    assert ledger.in_flight == 2 and ledger.given_back == 2  # 102 and 104 still in flight
+    assert ledger.finish(102) == [] and ledger.finish(104) == []
+    assert ledger.in_flight == 0, "nothing left for a drain to wait for"
+    assert ledger.commit_point == 101, "never committed past a given-back record"
+    assert len(ledger) == 2 and ledger.finished_unreleased() == {102, 104}
+    assert ledger.oldest_unfinished() == 101
+    assert ledger.hole() is None, "a given-back offset is not a hole to seek back to"
+    assert ledger.resume_point() == 105
+    assert ledger.is_repeat(101) and not ledger.read(101, 101), "delivered again: a repeat here"
+    with pytest.raises(LedgerError):
+        ledger.put_back(102)  # finished: nothing to give back
+    with pytest.raises(LedgerError):
+        ledger.put_back(107)  # never read
