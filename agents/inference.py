@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 import faust
-from faust.types import EventT
+from faust.types import TP, EventT
 from pydantic import ValidationError
 
 from agents.acks import Ticket
@@ -286,22 +286,38 @@ class Inference:
         """Let readers waiting for admission look again (a rebalance's drain is over)."""
         self._room.set()
 
-    def give_back(self) -> int:
-        """Called by a rebalance's drain once its grace is over: hand back every admitted item that
-        has not reached the model (waiting to be embedded, or queued), with the followers merged
-        into them and their twins. Nothing is answered or acked for them here: their partitions'
-        owner reads them again (docs/architecture.md, "Readiness and failover"). Returns how many
+    def give_back(self, revoked: set[TP]) -> int:
+        """Called by a rebalance's drain once its grace is over: hand back the admitted items of
+        ``revoked`` partitions that have not reached the model (waiting to be embedded, or queued),
+        with the followers merged into them and their twins. Nothing is answered or acked for them
+        here: their partitions' owner reads them again (docs/architecture.md, "Readiness and
+        failover"). A leader stays when one of its followers or twins is of a partition this worker
+        keeps (Faust's rebalances revoke every partition, so that is for safety). Returns how many
         records were given back."""
+
+        def copies(pending: Pending) -> list[Pending]:
+            return [pending, *pending.twins]
+
+        def whole(pending: Pending) -> list[Pending]:
+            leader = self.merges.get(pending.lead_id)
+            followers = [follower for follower, _ in leader.followers] if leader is not None else []
+            return [copy for one in [pending, *followers] for copy in copies(one)]
+
+        def movable(pending: Pending) -> bool:
+            return all(copy.event.message.tp in revoked for copy in whole(pending))
+
         items: list[Pending] = []
         for waiting in self._arrivals.values():
-            items.extend(waiting)
+            keep = [pending for pending in waiting if not movable(pending)]
+            items.extend(pending for pending in waiting if movable(pending))
             waiting.clear()
-        items.extend(queued.payload for queued in self.scheduler.take_all())
+            waiting.extend(keep)
+        items.extend(queued.payload for queued in self.scheduler.take_where(lambda q: movable(q.payload)))
         given = 0
         for pending in items:
             for one in [pending, *(follower for follower, _ in self.merges.close(pending.lead_id))]:
                 self._answered(one)
-                for copy in [one, *one.twins]:
+                for copy in copies(one):
                     self.rt.acker.put_back(copy.ticket)
                     given += 1
         if items:

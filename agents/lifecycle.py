@@ -148,22 +148,25 @@ class Lifecycle:
             flush=True,
         )
 
-    async def drain(self, timeout_s: float, give_back_after_s: float | None = None) -> bool:
+    async def drain(
+        self, timeout_s: float, give_back_after_s: float | None = None, revoked: set[TP] | None = None
+    ) -> bool:
         """Let admitted work finish and be acked, then commit; True when nothing was left over.
 
-        ``give_back_after_s`` (a rebalance): after that long, work that has not reached the model is
-        given back (:meth:`agents.inference.Inference.give_back`), again every 0.2 s for what the
-        embedding stage hands on meanwhile, and only the batches in the model are waited for."""
+        ``give_back_after_s`` (a rebalance, of the ``revoked`` partitions): after that long, work that
+        has not reached the model is given back (:meth:`agents.inference.Inference.give_back`), again
+        every 0.2 s for what the embedding stage hands on meanwhile, and only the batches in the model
+        are waited for."""
         t0 = time.perf_counter()
         acker = self.rt.acker
         inf = self.rt.inference
-        if give_back_after_s is None or inf is None:
+        if give_back_after_s is None or inf is None or not revoked:
             ok = await acker.wait_idle(timeout_s)
         else:
             ok = await acker.wait_idle(min(give_back_after_s, timeout_s))
             given = 0
             while not ok and (left := timeout_s - (time.perf_counter() - t0)) > 0:
-                given += inf.give_back()
+                given += inf.give_back(revoked)
                 ok = await acker.wait_idle(min(0.2, left))
             if given:
                 log.warning("rebalance: gave back %d records that had not reached the model", given)
@@ -192,7 +195,9 @@ class Lifecycle:
         s = self.rt.settings
         self.revoking = True
         try:
-            ok = await self.drain(s.drain_timeout_s, give_back_after_s=s.rebalance_grace_ms / 1000)
+            ok = await self.drain(
+                s.drain_timeout_s, give_back_after_s=s.rebalance_grace_ms / 1000, revoked=set(revoked)
+            )
             self.rt.acker.revoke(revoked)
         finally:
             self.revoking = False

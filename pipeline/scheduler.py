@@ -552,12 +552,13 @@ class Scheduler:
             del self._live[e.seq]
         return PoppedBatch(items=[e.item for e in taken], expired=expired, demoted=demoted, limit=limit)
 
-    def take_all(self) -> list[QueuedItem]:
-        """Remove every waiting item, in arrival order; called when a rebalance's drain gives the
-        admitted work back (its records are read again by their partition's owner)."""
-        entries = sorted(self._live.values(), key=lambda e: e.seq)
+    def take_where(self, wanted: Callable[[QueuedItem], bool]) -> list[QueuedItem]:
+        """Remove the waiting items ``wanted`` selects, in arrival order; called when a rebalance's
+        drain gives admitted work back (its records are read again by their partition's owner)."""
+        entries = sorted((e for e in self._live.values() if wanted(e.item)), key=lambda e: e.seq)
         self.policy.discard(entries)
-        self._live.clear()
+        for e in entries:
+            del self._live[e.seq]
         return [e.item for e in entries]
 
     def record_batch(self, size: int, seconds: float) -> None:

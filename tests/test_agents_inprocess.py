@@ -537,6 +537,8 @@ async def test_a_rebalance_gives_back_queued_work_and_what_it_finished_behind_it
         await w.client.producer.send_and_wait(work_topic, b"not a work item", partition=work.partition)
         await w.records(w.topics.deadletter, 1)
         assigned = set(w.rt.app.consumer.assignment())
+        others = {tp for tp in assigned if (tp.topic, tp.partition) != (work_topic, work.partition)}
+        assert inf.give_back(others) == 0 and inf.scheduler.depth() == 1, "its partition is kept"
         await life.on_revoked(assigned)  # what Faust calls when a rebalance starts
         assert acker.given_back == 1 and inf.scheduler.depth() == 0 and not inf._inflight
         assert not life.revoking, "readers may take records again"

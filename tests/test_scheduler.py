@@ -500,7 +500,7 @@ def test_estimator_is_never_negative() -> None:
 
 
 @pytest.mark.parametrize("policy", ["edf", "fifo"])
-def test_take_all_empties_every_class_in_arrival_order_and_the_queue_works_on(policy: str) -> None:
+def test_take_where_removes_what_it_selects_in_arrival_order_and_the_queue_works_on(policy: str) -> None:
     """A rebalance's drain gives back what waits: every class, none left behind for a batch or
     for the deadline sweep, and items offered afterwards are queued as usual."""
     clock = FakeClock()
@@ -508,7 +508,10 @@ def test_take_all_empties_every_class_in_arrival_order_and_the_queue_works_on(po
     classes = [Priority.OFFLINE, Priority.REALTIME, Priority.BATCH, Priority.INTERACTIVE]
     for k, p in enumerate(classes):
         s.offer(item(f"i{k}", priority=p, deadline_in=None if p is Priority.OFFLINE else 50.0))
-    assert ids(s.take_all()) == ["i0", "i1", "i2", "i3"]
+    s.offer(item("kept", priority=Priority.BATCH, deadline_in=None))
+    assert ids(s.take_where(lambda i: i.item_id != "kept")) == ["i0", "i1", "i2", "i3"]
+    assert s.depth() == 1 and s.depth(Priority.BATCH) == 1
+    assert ids(s.take_where(lambda i: True)) == ["kept"]
     assert s.depth() == 0 and all(n == 0 for n in s.depths().values())
     assert s.flush_at_ms() is None and not s.ready()
     clock.now += 1_000  # the given-back items' deadlines have passed: none of them comes back
