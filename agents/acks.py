@@ -9,8 +9,9 @@ every drain) rather than through Faust's ack bookkeeping, which commits past rec
 delivered and forgets acks at a rebalance. On a rebalance the ledgers of revoked partitions are
 dropped: records still in flight from them are answered but never committed, so the next owner
 reads them again (and the reply table makes that repeat identical). What this worker finished there
-but could not commit (behind an unfinished record) is remembered: when the partition comes back to
-it, those records are acked as they are read, not worked on and answered again. A rebalance's drain
+but could not commit (behind an unfinished record) is remembered, and every commit names it in its
+metadata: whoever reads the partition next, this worker or another, acks those records as they are
+read, not worked on and answered again. A rebalance's drain
 may also give back admitted work (:meth:`Acker.put_back`): never committed here, read again by the
 partition's owner.
 """
@@ -28,7 +29,7 @@ from faust.types import TP, EventT
 
 from agents.offset_oracle import OffsetOracle
 from pipeline.compat import commit_offsets
-from pipeline.offsets import LedgerError, PartitionLedger
+from pipeline.offsets import LedgerError, PartitionLedger, encode_done
 
 log = logging.getLogger("surge.acks")
 
@@ -56,6 +57,7 @@ class Acker:
         self.hole_grace_s = hole_grace_s
         self._ledgers: dict[TP, PartitionLedger[None]] = {}
         self._committed: dict[TP, int] = {}
+        self._metadata: dict[TP, str] = {}  # what was committed with each partition's offset
         self._starts: dict[TP, int] = {}  # where reading starts this generation (set at assignment)
         self._holes: dict[tuple[TP, int], float] = {}  # (partition, offset) -> when first seen
         self._commit_lock = asyncio.Lock()  # one commit at a time: a later point never lands first
@@ -143,12 +145,12 @@ class Acker:
         no longer assigned (aiokafka may assign anew without a revocation first, and a ledger of a
         partition owned elsewhere would hold the drain and the hole check for ever)."""
         keep = set(assigned)
-        for tp in [tp for tp in self._done_before if tp not in keep]:
-            del self._done_before[tp]  # another worker owns it now: it reads those records itself
         gone = [tp for tp in self._ledgers if tp not in keep]
         if gone:
             log.warning("assignment without a revocation: dropping %d partitions' ledgers", len(gone))
             self.revoke(gone)
+        for tp in [tp for tp in self._done_before if tp not in keep]:
+            del self._done_before[tp]  # owned elsewhere now: the commit's metadata tells its owner
 
     async def seek_to_starts(self, tps: Iterable[TP]) -> dict[TP, int]:
         """Called on every assignment, before reading resumes: seek each partition to where this
@@ -165,6 +167,7 @@ class Acker:
             start = await self._start_of(tp)
             if start is not None:
                 starts[tp] = start
+                self._drop_done_before(tp, start)
         if starts:
             await self._seek(starts, "to their starts", 2 * ORACLE_TIMEOUT_S)
         self._starts.update(starts)
@@ -210,13 +213,27 @@ class Acker:
             log.warning("could not seek %d partitions %s (%r)", len(points), why, exc)
 
     async def _start_of(self, tp: TP) -> int | None:
+        """Where this generation reads ``tp`` from; what the committing worker had finished past it
+        (the commit's metadata) joins :attr:`_done_before`."""
         if self.oracle is None:
             return None
         try:
-            return await asyncio.wait_for(self.oracle.start_of(tp.topic, tp.partition), ORACLE_TIMEOUT_S)
+            start, done = await asyncio.wait_for(
+                self.oracle.start_and_done(tp.topic, tp.partition), ORACLE_TIMEOUT_S
+            )
         except Exception as exc:  # the broker will be asked again at the next rebalance
             log.warning("could not read where %s starts (%r): trusting its first record", tp, exc)
             return None
+        if done:
+            self._done_before[tp] = self._done_before.get(tp, set()) | done
+        return start
+
+    def _drop_done_before(self, tp: TP, start: int) -> None:
+        done = self._done_before.get(tp)
+        if done is not None:
+            done.difference_update([offset for offset in done if offset < start])
+            if not done:
+                del self._done_before[tp]
 
     def ticket_of(self, event: EventT) -> Ticket | None:
         """The ticket of a record already tracked and not yet released, or None."""
@@ -260,13 +277,20 @@ class Acker:
             return
         await self.finish(tickets)
 
-    def commit_points(self) -> dict[TP, int]:
-        """The offset to commit per partition for what was released and not committed yet."""
-        return {
-            tp: ledger.commit_point
-            for tp, ledger in self._ledgers.items()
-            if ledger.commit_point is not None and ledger.commit_point > self._committed.get(tp, -1)
-        }
+    def commit_points(self) -> dict[TP, tuple[int, str]]:
+        """Per partition, the offset to commit for what was released, with metadata naming what is
+        finished past it (:func:`pipeline.offsets.encode_done`): where either changed since the last
+        commit. Whoever reads the partition next acks those without work."""
+        out: dict[TP, tuple[int, str]] = {}
+        for tp, ledger in self._ledgers.items():
+            point = ledger.commit_point if ledger.commit_point is not None else ledger.next_release
+            if point is None:
+                continue
+            committed = self._committed.get(tp, -1)
+            metadata = encode_done(ledger.finished_unreleased(), point)
+            if point > committed or (point == committed and metadata != self._metadata.get(tp, "")):
+                out[tp] = (point, metadata)
+        return out
 
     async def commit(self) -> bool:
         """Commit every released run now; called on a timer and at every drain (Faust forgets its
@@ -278,8 +302,10 @@ class Acker:
                 return True
             if not await commit_offsets(self.app.consumer, points):
                 return False
-            for tp, offset in points.items():
-                self._committed[tp] = max(offset, self._committed.get(tp, -1))
+            for tp, (offset, metadata) in points.items():
+                if offset >= self._committed.get(tp, -1):
+                    self._committed[tp] = offset
+                    self._metadata[tp] = metadata
             return True
 
     async def check_holes(self, now: float) -> int:
@@ -335,6 +361,7 @@ class Acker:
         for tp in tps:
             ledger = self._ledgers.pop(tp, None)
             self._committed.pop(tp, None)
+            self._metadata.pop(tp, None)
             if ledger is not None:
                 base = ledger.next_release
                 done = self._done_before.get(tp, set()) | ledger.finished_unreleased()

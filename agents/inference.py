@@ -290,9 +290,10 @@ class Inference:
         """Called by a rebalance's drain once its grace is over: hand back the admitted items of
         ``revoked`` partitions that have not reached the model (waiting to be embedded, or queued),
         with the followers merged into them and their twins. Nothing is answered or acked for them
-        here: their partitions' owner reads them again (docs/architecture.md, "Readiness and
-        failover"). A leader stays when one of its followers or twins is of a partition this worker
-        keeps (Faust's rebalances revoke every partition, so that is for safety). Returns how many
+        here: their partitions' owner reads them again.
+        See docs/architecture.md, "Readiness and failover".
+        A leader stays when one of its followers or twins is of a partition this worker keeps
+        (Faust's rebalances revoke every partition, so that is for safety). Returns how many
         records were given back."""
 
         def copies(pending: Pending) -> list[Pending]:

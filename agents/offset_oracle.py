@@ -1,7 +1,8 @@
 """What the broker says about a partition's offsets, for the Acker's ledgers (agents/acks.py).
 
 Two questions, each asked rarely: where a partition's reading starts for this worker (the group's
-committed offset, else the log start: what the consumer resets to), asked once per partition per
+committed offset, else the log start: what the consumer resets to; with the offsets after it that
+the committing worker had finished, from the commit's metadata), asked once per partition per
 rebalance; and, when a ledger's run waits for an offset that never arrived though later ones did,
 the first offset the log really holds from there (a transaction marker or a compacted record is
 not in it). A consumer without a group answers the second; one carrying the group id answers the
@@ -16,8 +17,10 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from pipeline.compat import committed_with_metadata
 from pipeline.exceptions import BrokerError
 from pipeline.kafka_security import client_options
+from pipeline.offsets import decode_done
 from pipeline.settings import Settings
 
 log = logging.getLogger("surge.offsets")
@@ -57,13 +60,19 @@ class OffsetOracle:
 
     async def start_of(self, topic: str, partition: int) -> int:
         """The offset this group resumes ``topic[partition]`` from: committed, else the log start."""
+        return (await self.start_and_done(topic, partition))[0]
+
+    async def start_and_done(self, topic: str, partition: int) -> tuple[int, set[int]]:
+        """Where this group resumes ``topic[partition]`` (committed, else the log start), and the
+        offsets after it that the committing worker had finished already (the commit's metadata,
+        :func:`pipeline.offsets.decode_done`)."""
         async with self._lock:
             group, _ = await self._started()
             tp = TopicPartition(topic, partition)
-            committed = await group.committed(tp)
-            if committed is not None and committed >= 0:
-                return int(committed)
-            return int((await group.beginning_offsets([tp]))[tp])
+            committed, metadata = await committed_with_metadata(group, tp)
+            if committed is not None:
+                return committed, decode_done(metadata, committed)
+            return int((await group.beginning_offsets([tp]))[tp]), set()
 
     async def first_at_or_after(self, topic: str, partition: int, offset: int) -> int | None:
         """The first offset the log holds at or after ``offset`` (None: none up to its end)."""

@@ -135,16 +135,55 @@ def blind_read_offsets(consumer: Any, topics: Iterable[str]) -> SourceBlindReadO
     return blind
 
 
-async def commit_offsets(consumer: Any, offsets: Mapping[Any, int]) -> bool:
-    """Commit exactly ``offsets`` (partition -> next offset to read) for the group; False when the
-    group has already rebalanced. Used at a drain, from inside Faust's revocation callback.
+async def commit_offsets(consumer: Any, offsets: Mapping[Any, tuple[int, str]]) -> bool:
+    """Commit exactly ``offsets`` (partition -> (next offset to read, metadata)) for the group, on
+    the consumer's own thread; False when the group has already rebalanced (or the commit failed:
+    the next one tries again). Partitions no longer assigned are left out. Used on a timer and at
+    every drain, from inside Faust's revocation callback too.
 
     Why: Faust's public ``commit()`` commits what its own ack bookkeeping holds, and it clears that
-    for the revoked partitions before the app hears of the rebalance. Private:
-    ``faust.transport.consumer.ThreadDelegateConsumer._commit``.
+    for the revoked partitions before the app hears of the rebalance; and Faust always writes empty
+    metadata, where surge lists the offsets already finished past the committed one
+    (:func:`pipeline.offsets.encode_done`). Private: ``faust.transport.consumer.
+    ThreadDelegateConsumer._thread`` (its ``call_thread``, ``assignment`` and ``_ensure_consumer``).
     """
-    commit: Any = consumer._commit
-    return bool(await commit(dict(offsets)))
+    from aiokafka.errors import CommitFailedError
+    from aiokafka.structs import OffsetAndMetadata, TopicPartition
+
+    thread: Any = consumer._thread
+
+    async def commit() -> bool:
+        assigned = thread.assignment()
+        todo = {
+            TopicPartition(tp.topic, tp.partition): OffsetAndMetadata(offset, metadata)
+            for tp, (offset, metadata) in offsets.items()
+            if tp in assigned
+        }
+        if not todo:
+            return True
+        try:
+            await thread._ensure_consumer().commit(todo)
+        except CommitFailedError as exc:
+            if "already rebalanced" not in str(exc):
+                log.warning("commit of %d partitions failed (%r)", len(todo), exc)
+            return False
+        except Exception as exc:  # the next commit tries again
+            log.warning("commit of %d partitions failed (%r)", len(todo), exc)
+            return False
+        return True
+
+    return bool(await thread.call_thread(commit))
+
+
+async def committed_with_metadata(consumer: Any, tp: Any) -> tuple[int | None, str]:
+    """The group's committed offset of ``tp`` and the metadata committed with it ((None, "") when
+    nothing was committed). aiokafka's ``committed()`` drops the metadata. Private:
+    ``aiokafka.AIOKafkaConsumer._coordinator.fetch_committed_offsets``."""
+    found: Mapping[Any, Any] = await consumer._coordinator.fetch_committed_offsets([tp])
+    entry = found.get(tp)
+    if entry is None or entry.offset is None or entry.offset < 0:
+        return None, ""
+    return int(entry.offset), str(entry.metadata or "")
 
 
 def scan_partition(table: Any, partition: int, after: bytes | None, limit: int) -> list[tuple[bytes, bytes]]:

@@ -25,6 +25,7 @@ Pure: no Kafka or Faust imports.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Generic, TypeVar
 
 from pipeline.exceptions import SurgeError
@@ -177,3 +178,53 @@ class PartitionLedger(Generic[T]):
         """The offset that holds back the commit point, or None when nothing is pending."""
         pending = [o for o, (done, _) in self._entries.items() if not done] + list(self._given_back)
         return min(pending) if pending else None
+
+
+#: prefix of the commit metadata that lists offsets finished past the committed one
+DONE_PREFIX = "surge-done:"
+#: longest metadata written: the broker refuses a commit over offset.metadata.max.bytes (4096 by
+#: default), so a long list keeps its lowest offsets (the rest are simply answered again)
+DONE_MAX_CHARS = 3000
+
+
+def encode_done(done: Iterable[int], committed: int, max_chars: int = DONE_MAX_CHARS) -> str:
+    """Commit metadata naming the offsets after ``committed`` that are finished already (their
+    outputs on the broker), as ranges relative to it: ``surge-done:2-5,9``. Whoever reads the
+    partition from ``committed`` next may ack those without work (docs/architecture.md,
+    "Guarantees"). Empty when there are none."""
+    rel = sorted({offset - committed for offset in done if offset > committed})
+    if not rel:
+        return ""
+    parts: list[str] = []
+    size = len(DONE_PREFIX)
+    start = prev = rel[0]
+    for value in [*rel[1:], None]:
+        if value is not None and value == prev + 1:
+            prev = value
+            continue
+        part = str(start) if start == prev else f"{start}-{prev}"
+        if size + len(part) + 1 > max_chars:
+            break
+        parts.append(part)
+        size += len(part) + 1
+        if value is not None:
+            start = prev = value
+    return DONE_PREFIX + ",".join(parts) if parts else ""
+
+
+def decode_done(metadata: str | None, committed: int, limit: int = 1_000_000) -> set[int]:
+    """The offsets :func:`encode_done` wrote for ``committed``; empty for anything else (metadata
+    written by another client, or malformed), never an error."""
+    if not metadata or not metadata.startswith(DONE_PREFIX):
+        return set()
+    out: set[int] = set()
+    try:
+        for part in metadata[len(DONE_PREFIX) :].split(","):
+            lo, _, hi = part.partition("-")
+            first, last = int(lo), int(hi or lo)
+            if first < 1 or last < first or last - first > limit or len(out) + last - first >= limit:
+                return set()
+            out.update(range(committed + first, committed + last + 1))
+    except ValueError:
+        return set()
+    return out

@@ -52,7 +52,11 @@ def test_the_private_attributes_exist() -> None:
     assert inspect.iscoroutinefunction(GroupCoordinator._send_req)
     source = inspect.getsource(GroupCoordinator)
     assert all(f"self.{attr} =" in source for attr in ("generation", "member_id", "group_id"))
-    assert inspect.iscoroutinefunction(ThreadDelegateConsumer._commit)  # commit_offsets
+    # commit_offsets commits with metadata on the consumer thread (Faust's own commit writes "")
+    assert callable(faust_aiokafka.AIOKafkaConsumerThread.assignment)
+    # committed_with_metadata: aiokafka's committed() drops the metadata its coordinator fetched
+    assert "self._coordinator.fetch_committed_offsets(" in inspect.getsource(AIOKafkaConsumer.committed)
+    assert inspect.iscoroutinefunction(GroupCoordinator.fetch_committed_offsets)
     # the Acker seeks with seek_wait (run on the consumer's own thread, waits for the position)
     assert "call_thread(self._seek_wait" in inspect.getsource(faust_aiokafka.AIOKafkaConsumerThread.seek_wait)
 

@@ -15,6 +15,7 @@ from aiokafka.structs import OffsetAndMetadata
 
 from agents.offset_oracle import OffsetOracle
 from pipeline.devtools.broker import EmbeddedKafka
+from pipeline.offsets import encode_done
 from pipeline.records import now_ms
 from pipeline.settings import Settings
 from tests.conftest import RELAXED, request
@@ -64,8 +65,12 @@ async def test_start_is_the_committed_offset_else_the_log_start(kafka: EmbeddedK
         await committer.start()
         committer.assign([TopicPartition(topic, 0)])
         await committer.commit({TopicPartition(topic, 0): OffsetAndMetadata(2, "")})
-        await committer.stop()
         assert await oracle.start_of(topic, 0) == 2
+        assert await oracle.start_and_done(topic, 0) == (2, set()), "no metadata: nothing done"
+        # a worker's commit names what it finished past the committed offset
+        await committer.commit({TopicPartition(topic, 0): OffsetAndMetadata(1, encode_done({2, 4}, 1))})
+        await committer.stop()
+        assert await oracle.start_and_done(topic, 0) == (1, {2, 4})
     finally:
         await oracle.close()
 

@@ -184,3 +184,32 @@ def test_a_given_back_record_is_never_passed_and_no_longer_counts_as_in_flight()
         ledger.put_back(102)  # finished: nothing to give back
     with pytest.raises(LedgerError):
         ledger.put_back(107)  # never read
+
+
+def test_finished_offsets_travel_in_commit_metadata_as_ranges_and_anything_else_reads_as_none() -> None:
+    from pipeline.offsets import DONE_PREFIX, decode_done, encode_done
+
+    done = {102, 103, 104, 107, 110, 111, 99, 100}  # 99 and 100 are not after the commit: left out
+    meta = encode_done(done, committed=100)
+    assert meta == DONE_PREFIX + "2-4,7,10-11"
+    assert decode_done(meta, committed=100) == {102, 103, 104, 107, 110, 111}
+    assert encode_done(set(), 5) == "" and decode_done("", 5) == set()
+    for hostile in (
+        "",
+        "x",
+        DONE_PREFIX + "a-b",
+        DONE_PREFIX + "5-2",
+        DONE_PREFIX + "0",
+        DONE_PREFIX + "1-999999999",
+    ):
+        assert decode_done(hostile, 100) == set(), hostile
+    many = encode_done(range(101, 100_000, 2), committed=100, max_chars=200)
+    assert len(many) <= 200
+    assert min(decode_done(many, 100)) == 101, "a long list keeps its lowest offsets"
+
+
+@given(st.sets(st.integers(min_value=0, max_value=400)), st.integers(min_value=0, max_value=200))
+def test_encode_then_decode_gives_back_the_offsets_after_the_commit(done: set[int], committed: int) -> None:
+    from pipeline.offsets import decode_done, encode_done
+
+    assert decode_done(encode_done(done, committed), committed) == {o for o in done if o > committed}
