@@ -35,6 +35,9 @@ log = logging.getLogger("surge.acks")
 
 #: how long a question to the broker about offsets may take before the Acker goes on without it
 ORACLE_TIMEOUT_S = 5.0
+#: how long a commit may take before the Acker goes on without it (the next commit tries again; one
+#: that lands late at an older offset only means records read again, never lost)
+COMMIT_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,7 +303,16 @@ class Acker:
             points = self.commit_points()
             if not points:
                 return True
-            if not await commit_offsets(self.app.consumer, points):
+            try:
+                done = await asyncio.wait_for(commit_offsets(self.app.consumer, points), COMMIT_TIMEOUT_S)
+            except TimeoutError:
+                # the client keeps retrying while the group coordinator is away (a broker restart);
+                # a drain must not wait for it: its rebalance, and the whole group, would wait too
+                log.warning(
+                    "a commit of %d partitions got no answer in %.0f s", len(points), COMMIT_TIMEOUT_S
+                )
+                return False
+            if not done:
                 return False
             for tp, (offset, metadata) in points.items():
                 if offset >= self._committed.get(tp, -1):
