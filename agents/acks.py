@@ -290,7 +290,9 @@ class Acker:
             if point is None:
                 continue
             committed = self._committed.get(tp, -1)
-            metadata = encode_done(ledger.finished_unreleased(), point)
+            # on the commit timer's path: build the list only when something finished past the point
+            finished = ledger.finished_unreleased() if len(ledger) > ledger.in_flight else ()
+            metadata = encode_done(finished, point)
             if point > committed or (point == committed and metadata != self._metadata.get(tp, "")):
                 out[tp] = (point, metadata)
         return out

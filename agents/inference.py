@@ -309,8 +309,9 @@ class Inference:
 
         items: list[Pending] = []
         for waiting in self._arrivals.values():
-            keep = [pending for pending in waiting if not movable(pending)]
-            items.extend(pending for pending in waiting if movable(pending))
+            keep: list[Pending] = []
+            for pending in waiting:
+                (items if movable(pending) else keep).append(pending)
             waiting.clear()
             waiting.extend(keep)
         items.extend(queued.payload for queued in self.scheduler.take_where(lambda q: movable(q.payload)))

@@ -8,8 +8,9 @@ stop on SIGTERM (docs/architecture.md, "Readiness and failover").
   admitted finish for ``rebalance_grace_ms``; then it gives back what has not reached the model
   (read again by the partition's owner: no reply was sent for it) and waits only for the batches in
   the model (at most ``drain_timeout_s`` in all). It acks in offset order and commits, so the next
-  owner does not read again what was answered; what it finished behind a given-back record is acked
-  without work if the partition comes back to it. The whole group waits for the slowest member's
+  owner does not read again what was answered; what it finished behind a given-back record is named
+  in the commit's metadata, and the partition's next owner acks it without work. The whole group
+  waits for the slowest member's
   drain, so under overload this keeps a rebalance from stalling every worker for the full timeout.
 * SIGTERM: stop admitting, drain, commit, then the usual shutdown, which leaves the group: a
   rolling restart loses and repeats nothing. A static member (``SURGE_STATIC_MEMBERSHIP``) leaves

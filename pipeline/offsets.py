@@ -17,8 +17,9 @@ A record taken on may also be *given back* (:meth:`PartitionLedger.put_back`): a
 hands back admitted work that has not reached the model, so the partition's owner reads it again.
 The run never passes a given-back offset, so it is never committed by this owner; it no longer
 counts as in flight. And what a ledger finished but could not release (behind an unfinished or
-given-back record) is what the same worker need not do again when the partition comes back to it
-(:meth:`PartitionLedger.finished_unreleased`).
+given-back record) is what the partition's next owner need not do again
+(:meth:`PartitionLedger.finished_unreleased`, carried in the commit's metadata by
+:func:`encode_done`).
 
 Pure: no Kafka or Faust imports.
 """
