@@ -1,0 +1,56 @@
+"""What a worker process sets up around its threads (docs/architecture.md, "Threads and the GIL"): a
+short GIL switch interval, one BLAS thread, and a ``/status`` page that does not stop the event loop."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+from threadpoolctl import threadpool_info
+
+from agents import lifecycle
+from agents.worker import build_worker_app
+from models.registry import apply_num_threads
+from pipeline.settings import Settings
+
+
+def test_a_worker_shortens_the_gil_switch_interval(tmp_path: Path) -> None:
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        s = Settings.load(role="intake", model="echo", gil_switch_interval_ms=0.5, data_dir=str(tmp_path))
+        build_worker_app(s)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)
+
+
+def test_numpys_blas_gets_one_thread() -> None:
+    apply_num_threads(Settings.load(model="echo", model_num_threads=1))
+    blas = [pool for pool in threadpool_info() if pool["user_api"] == "blas"]
+    assert blas, "numpy links a BLAS"
+    assert all(pool["num_threads"] == 1 for pool in blas)
+
+
+# ``/status`` is polled every 0.5 s by the failover benchmark and by operators' scrapers.
+# ``gc.get_freeze_count`` walks every frozen object (about half a million in a worker, 70 ms), so the
+# count is taken once, when the startup heap is frozen.
+
+
+def test_the_frozen_count_is_taken_once_at_freeze_and_not_walked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # no real freeze in the test process: the collector and atexit are left alone
+    monkeypatch.setattr(gc, "collect", lambda *a: 0)
+    monkeypatch.setattr(gc, "freeze", lambda: None)
+    monkeypatch.setattr(lifecycle.atexit, "register", lambda f: f)
+    counted = iter([512_345])
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: next(counted))
+    monkeypatch.setattr(lifecycle, "_frozen_at_startup", 0)
+    assert lifecycle.frozen_objects() == 0
+    assert lifecycle.freeze_startup_heap() == 512_345
+    # a second walk would raise StopIteration: the page reads the number kept at freeze time
+    assert lifecycle.frozen_objects() == 512_345
+    assert lifecycle.frozen_objects() == 512_345
