@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from typing import Any
 
@@ -54,6 +55,9 @@ def _json_global_table(app: faust.App, settings: Settings, name: str, **extra: A
 
 def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
     """The app with everything ``settings.role`` asks for, ready for ``faust.Worker``."""
+    # the embedding and model threads give the GIL up at each native call and wait to take it back
+    # while the event loop runs (docs/architecture.md, "Threads and the GIL")
+    sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
     if settings.role == "risk":
         from agents.risk import build_risk_app
 

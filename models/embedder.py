@@ -13,6 +13,7 @@ from functools import lru_cache
 import numpy as np
 
 from models.exceptions import ModelLoadError
+from models.traced_encoder import TracedEncoder, trace_encoder
 
 
 def default_embedder_path() -> str:
@@ -56,12 +57,19 @@ class Embedder:
         self.dim = int(dim)
         #: whether this embedder reads Chinese; MiniLM-L6 does not
         self.multilingual = "multilingual" in self.path.lower() or "paraphrase-multilingual" in self.path
+        #: the forward pass as one call that holds no GIL (:mod:`models.traced_encoder`); None: the
+        #: model is not of the traced shape, or not on the CPU, and ``encode`` is used
+        self.traced: TracedEncoder | None = None
+        if str(self._model.device).startswith("cpu"):
+            self.traced = trace_encoder(self._model, batch_size)
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Embed ``texts`` in batches; returns an (n, dim) float32 array of unit vectors."""
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
         with self._lock:
+            if self.traced is not None:
+                return self.traced.encode(list(texts))
             vecs = self._model.encode(
                 list(texts),
                 batch_size=self.batch_size,

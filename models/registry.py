@@ -10,7 +10,7 @@ def apply_num_threads(settings: Settings) -> None:
     """``SURGE_MODEL_NUM_THREADS``: torch's CPU threads for this process; 0 means every core but
     one (at least one), so the event loop (intake, Kafka clients) always has a core of its own.
 
-    Process-wide: the answer model and the embedder share them. Torch's default (every core) makes
+    Process-wide: the answer model and the embedder share them; numpy's BLAS gets one thread. Torch's default (every core) makes
     its spinning threads fight the event loop: on a 2-core box the intake then becomes the
     bottleneck of the whole worker.
     """
@@ -20,6 +20,12 @@ def apply_num_threads(settings: Settings) -> None:
 
     threads = settings.model_num_threads or max(1, (os.cpu_count() or 2) - 1)
     torch.set_num_threads(threads)
+    # numpy's BLAS (the semantic index, the FAQ answerer's neighbours) does small products that one
+    # thread does best; its default pool of one thread per core spins between calls, and on the
+    # 2-core machine took two thirds of a core from a worker at 30 requests/s
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=1, user_api="blas")
 
 
 def build_model(settings: Settings) -> ModelBackend:

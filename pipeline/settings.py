@@ -178,6 +178,14 @@ class Settings(BaseSettings):
     model_num_threads: int = Field(
         0, ge=0, description="torch CPU threads for the model and embedder; 0 = every core but one"
     )
+    gil_switch_interval_ms: float = Field(
+        1.0,
+        gt=0,
+        le=100,
+        description="how long a Python thread may keep the GIL while another waits for it, milliseconds "
+        "(CPython's default is 5): shorter lets the embedding and model threads take it back sooner "
+        "after each native call while the event loop runs Python",
+    )
     model_device_map: str | None = Field(None, description="HF device_map, e.g. auto")
     remote_base_url: str | None = Field(None, description="OpenAI-compatible endpoint (model=remote)")
     remote_model: str = Field("default", description="model name sent to the remote endpoint")
