@@ -59,9 +59,7 @@ class Embedder:
         self.multilingual = "multilingual" in self.path.lower() or "paraphrase-multilingual" in self.path
         #: the forward pass as one call that holds no GIL (:mod:`models.traced_encoder`); None: the
         #: model is not of the traced shape, or not on the CPU, and ``encode`` is used
-        self.traced: TracedEncoder | None = None
-        if str(self._model.device).startswith("cpu"):
-            self.traced = trace_encoder(self._model, batch_size)
+        self.traced: TracedEncoder | None = trace_encoder(self._model, batch_size)
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Embed ``texts`` in batches; returns an (n, dim) float32 array of unit vectors."""

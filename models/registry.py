@@ -10,9 +10,9 @@ def apply_num_threads(settings: Settings) -> None:
     """``SURGE_MODEL_NUM_THREADS``: torch's CPU threads for this process; 0 means every core but
     one (at least one), so the event loop (intake, Kafka clients) always has a core of its own.
 
-    Process-wide: the answer model and the embedder share them; numpy's BLAS gets one thread. Torch's default (every core) makes
-    its spinning threads fight the event loop: on a 2-core box the intake then becomes the
-    bottleneck of the whole worker.
+    Process-wide: the answer model and the embedder share them; numpy's BLAS gets one thread.
+    Torch's default (every core) makes its spinning threads fight the event loop: on a 2-core box
+    the intake then becomes the bottleneck of the whole worker.
     """
     import os
 

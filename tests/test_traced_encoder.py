@@ -28,6 +28,15 @@ TEXTS = [
 ] * 2
 
 
+def cpu_embedder() -> Embedder:
+    """The shared embedder; the test is skipped where it runs on an accelerator (never traced there).
+    On the CPU it is not skipped when tracing fails: the tests then fail, as they should."""
+    emb = shared_embedder()
+    if not str(emb._model.device).startswith("cpu"):
+        pytest.skip("tracing is for the CPU")
+    return emb
+
+
 def eager(emb: Embedder, texts: Sequence[str]) -> np.ndarray:
     return np.asarray(
         emb._model.encode(
@@ -37,9 +46,7 @@ def eager(emb: Embedder, texts: Sequence[str]) -> np.ndarray:
 
 
 def test_the_default_embedder_is_traced_and_gives_encodes_vectors() -> None:
-    emb = shared_embedder()
-    if not str(emb._model.device).startswith("cpu"):
-        pytest.skip("tracing is for the CPU")
+    emb = cpu_embedder()
     assert emb.traced is not None
     got = emb.embed(TEXTS)
     assert got.shape == (len(TEXTS), emb.dim) and got.dtype == np.float32
@@ -70,9 +77,8 @@ def python_calls(embed: Callable[[list[str]], object], texts: list[str]) -> int:
 
 
 def test_the_forward_pass_is_one_native_call_not_hundreds_of_python_ones() -> None:
-    emb = shared_embedder()
-    if emb.traced is None:
-        pytest.skip("tracing is for the CPU")
+    emb = cpu_embedder()
+    assert emb.traced is not None
     texts = [t for t in TEXTS if 0 < len(t) < 100][:9]
     emb.embed(texts)  # anything done once per process is not counted
     traced = python_calls(emb.embed, texts)
@@ -91,9 +97,8 @@ def test_a_pipeline_of_another_shape_keeps_the_eager_path() -> None:
 
 
 def test_a_traced_module_that_differs_from_encode_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
-    emb = shared_embedder()
-    if emb.traced is None:
-        pytest.skip("tracing is for the CPU")
+    emb = cpu_embedder()
+    assert emb.traced is not None
     assert traced_encoder.trace_encoder(emb._model, 8) is not None
     monkeypatch.setattr(traced_encoder, "TOLERANCE", -1.0)  # any difference at all, even 0, is too much
     assert traced_encoder.trace_encoder(emb._model, 8) is None
