@@ -33,14 +33,10 @@ from pipeline.records import (
     now_ms,
     salvage_ids,
 )
-from pipeline.scheduler import absolute_deadline_ms
+from pipeline.scheduler import CLOCK_SLACK_MS, absolute_deadline_ms, request_created_ms
 from pipeline.settings import Settings
 
 log = logging.getLogger("surge.intake")
-
-#: a request dated more than this before its record reached the broker counts as "client-dated":
-#: its deadline misses are left out of the degradation controller's miss rate
-CLIENT_CLOCK_SLACK_MS = 1000
 
 
 def rate_limit_config(s: Settings) -> RateLimitConfig:
@@ -134,7 +130,7 @@ class Intake:
         """Refuse, answer from the cache, or forward one valid request."""
         rt, s = self.rt, self.rt.settings
         record_ms = int(event.message.timestamp * 1000)
-        created = req.created_at if req.created_at is not None else record_ms
+        created = request_created_ms(req.created_at, record_ms)
         now = now_ms()
         class_ms = s.deadline_ms(req.priority)
         own_ms = req.deadline_ms if s.deadlines_enabled else None
@@ -192,7 +188,9 @@ class Intake:
                     reply, tenant=req.tenant, reply_to=reply_to, created_at_ms=created, event=event
                 )
         client_dated = (req.deadline_ms is not None and (class_ms is None or req.deadline_ms < class_ms)) or (
-            created < record_ms - CLIENT_CLOCK_SLACK_MS
+            # dated more than the clock slack before its record reached the broker: "client-dated",
+            # its deadline misses stay out of the degradation controller's miss rate
+            created < record_ms - CLOCK_SLACK_MS
         )
         item = WorkItem(
             request=req,

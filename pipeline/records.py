@@ -20,6 +20,14 @@ from pipeline.terms import Priority, Tier  # defined there; still importable fro
 
 Id = Annotated[str, Field(min_length=1, max_length=128)]
 _TOPIC_RE = re.compile(r"[A-Za-z0-9._-]+")
+#: a UTF-8 byte order mark: RFC 8259 (section 8.1) lets a parser ignore one at the start of a JSON
+#: text, and some producers write it (.NET's UTF8Encoding with its preamble, PowerShell)
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def without_bom(raw: bytes) -> bytes:
+    """``raw`` without a leading UTF-8 byte order mark: what every record decoder parses."""
+    return raw[len(UTF8_BOM) :] if raw.startswith(UTF8_BOM) else raw
 
 
 def now_ms() -> int:
@@ -220,10 +228,12 @@ def decode_request(
 ) -> InferenceRequest:
     """Decode and validate one request record; raises :class:`InvalidRequestError` only."""
     raw = check_size(raw, max_record_bytes, InvalidRequestError)
+    text = without_bom(raw)
     try:
-        data: Any = json.loads(raw.decode("utf-8"))
+        data: Any = json.loads(text.decode("utf-8"))
     except UnicodeDecodeError as exc:
-        raise InvalidRequestError(f"record is not UTF-8 text: {exc.reason} at byte {exc.start}") from exc
+        at = exc.start + len(raw) - len(text)  # the offset in the record as sent, BOM included
+        raise InvalidRequestError(f"record is not UTF-8 text: {exc.reason} at byte {at}") from exc
     except json.JSONDecodeError as exc:
         raise InvalidRequestError(
             f"record is not valid JSON: {exc.msg} at line {exc.lineno} col {exc.colno}"
@@ -274,12 +284,18 @@ def check_key(
 
 def salvage_object(raw: bytes | None) -> dict[str, Any] | None:
     """The JSON object of a record that failed validation, when it is one and readable (at most 4 MiB):
-    where the salvaged ids of an error reply or decision come from."""
+    where the salvaged ids of an error reply or decision come from.
+
+    Read more leniently than a record is validated, so that a flaw elsewhere in the record does not
+    cost it its error reply: bytes that are not UTF-8 become U+FFFD (an id holding one is refused by
+    :func:`salvaged_id`: it is not the id that was sent), and integers are read as floats, so that one
+    past Python's 4,300-digit limit does not hide the ids (and an id that is a number stays refused).
+    Only nesting too deep to parse leaves nothing to read."""
     if not raw or len(raw) > (4 << 20):
         return None
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
+        data = json.loads(without_bom(raw).decode("utf-8", "replace"), parse_int=float)
+    except (ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
 
@@ -288,8 +304,9 @@ def salvaged_id(value: object, max_len: int = 128) -> str | None:
     """``value`` when it can serve as an id in an error reply: a string of 1 to ``max_len`` characters
     that UTF-8 can encode. JSON's ``"\\ud800"`` escape decodes to a lone surrogate, which no encoder
     can write as UTF-8 (a record key, orjson): such an id would fail the error reply itself, and the
-    record would stop the worker on every redelivery. Those records get a dead letter only."""
-    if not (isinstance(value, str) and 0 < len(value) <= max_len):
+    record would stop the worker on every redelivery. Those records get a dead letter only, as do ids
+    holding U+FFFD, which is what :func:`salvage_object` makes of bytes that are not UTF-8."""
+    if not (isinstance(value, str) and 0 < len(value) <= max_len) or "\ufffd" in value:
         return None
     try:
         value.encode("utf-8")

@@ -408,6 +408,20 @@ class _LazyMin:
         return heapq.heappop(self._heap)
 
 
+#: how far a request's ``created_at`` may lie after its record's timestamp (clocks disagree a little)
+CLOCK_SLACK_MS = 1000
+
+
+def request_created_ms(created_at_ms: int | None, record_ms: int, slack_ms: int = CLOCK_SLACK_MS) -> int:
+    """When a request's deadlines count from: its ``created_at``, else its record's timestamp; a
+    ``created_at`` more than ``slack_ms`` after the record's timestamp counts from ``record_ms +
+    slack_ms``, since a date in the future would lengthen every deadline of the request (which
+    ``deadline_ms`` may only shorten) and keep it from ever expiring."""
+    if created_at_ms is None:
+        return record_ms
+    return min(created_at_ms, record_ms + slack_ms)
+
+
 def absolute_deadline_ms(created_at_ms: float, class_ms: int | None, request_ms: int | None) -> float | None:
     """The class deadline counted from ``created_at_ms``, shortened (never lengthened) by the
     request's own ``deadline_ms``; None when neither sets one."""

@@ -20,13 +20,14 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from confluent_kafka import Producer
 from faust.types.tuples import FutureMessage
 
 from agents.runtime import Runtime
 from pipeline.client import SurgeClient
 from pipeline.compat import forget_topic_metadata, refresh_metadata
 from pipeline.devtools.broker import EmbeddedKafka, free_port
-from pipeline.records import DeadLetter, InferenceReply
+from pipeline.records import DeadLetter, InferenceReply, now_ms
 from pipeline.terms import PRIORITIES
 from pipeline.topics import TopicNames
 from tests.conftest import Deployment, request
@@ -198,6 +199,50 @@ async def test_an_invalid_record_gets_an_error_reply_and_a_dead_letter_and_servi
                 base64.b64encode(b"alice").decode(),
             )
         assert w.metric("surge_deadletter_total", reason="invalid_request") == 3
+
+
+async def test_records_from_a_librdkafka_producer_byte_order_marks_flaws_and_future_dates(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    """A producer that is not aiokafka (confluent-kafka: librdkafka, its own partitioner for keys)
+    writes what such producers write: a JSON text with a byte order mark (served), records with a
+    flaw away from their ids (an over-long integer, bytes that are not UTF-8: an error reply naming
+    the request, and a dead letter each), and a real-time request dated an hour ahead, whose deadline
+    counts from its record's time plus the clock slack, not from that hour."""
+    producer = Producer({"bootstrap.servers": kafka.bootstrap})
+    async with inprocess(kafka, tmp_path) as w:
+        ok, huge, latin1 = w.client.expect("r-bom"), w.client.expect("r-huge"), w.client.expect("r-latin1")
+        ahead = w.client.expect("r-ahead")
+        hour_ahead = now_ms() + 3_600_000
+        records = [
+            b"\xef\xbb\xbf" + json.dumps(request("bom", "carol", "with a byte order mark")).encode(),
+            b'{"request_id": "r-huge", "user_id": "carol", "prompt": "x", "max_tokens": 1'
+            + b"0" * 5000
+            + b"}",
+            b'{"request_id": "r-latin1", "user_id": "carol", "prompt": "caf\xe9 au lait"}',
+            json.dumps(
+                request("ahead", "carol", "dated an hour ahead", priority="realtime", created_at=hour_ahead)
+            ).encode(),
+        ]
+        for raw in records:
+            producer.produce(w.topics.requests, key=b"carol", value=raw)
+        assert producer.flush(30) == 0, "librdkafka did not deliver every record"
+        served, huge_error, latin1_error, ahead_reply = await w.replies(ok, huge, latin1, ahead)
+        await w.settled()
+
+        assert (served.status, served.answer) == ("ok", "with a byte order mark")
+        for reply in (huge_error, latin1_error):
+            assert reply.status == "error" and reply.error is not None
+            assert reply.error.code == "invalid_request", reply.error
+        assert latin1_error.error is not None and "not UTF-8" in latin1_error.error.message
+        assert await w.count(w.topics.deadletter) == 2
+        assert ahead_reply.status == "ok"
+        (sent,) = [r for r in await w.records(w.topics.requests, 4) if b"r-ahead" in r.value]
+        (item,) = [json.loads(r.value) for r in await w.records(w.topics.work("realtime"), 1)]
+        assert item["request"]["request_id"] == "r-ahead"
+        # INPROCESS_ENV gives every class 60 s; from the hour ahead it would be 3,660 s
+        assert item["created_at_ms"] == sent.timestamp + 1_000
+        assert item["deadline_at_ms"] == sent.timestamp + 1_000 + 60_000
 
 
 async def test_a_redelivered_request_gets_the_recorded_reply_byte_for_byte(

@@ -255,6 +255,14 @@ def test_no_value_is_rejected() -> None:
 def test_non_utf8_is_rejected_with_the_byte_offset() -> None:
     msg = rejected(b'{"prompt": "\xff\xfe"}')
     assert "not UTF-8" in msg and "at byte 12" in msg
+    # the offset is the record's as sent, a byte order mark included
+    assert "at byte 15" in rejected(b'\xef\xbb\xbf{"prompt": "\xff\xfe"}')
+
+
+def test_a_leading_byte_order_mark_is_ignored() -> None:
+    # RFC 8259 lets a parser ignore one; .NET and PowerShell producers write it
+    assert decode(b"\xef\xbb\xbf" + raw_of(base())).request_id == "req-1"
+    assert "not valid JSON" in rejected(b"\xef\xbb\xbf\xef\xbb\xbf" + raw_of(base()))  # one, not two
 
 
 @pytest.mark.parametrize("raw", [b"", b"{", b"{'single': 'quotes'}", b'{"a": 1,}', b"not json"])
@@ -346,6 +354,29 @@ def test_salvage_ids_applies_the_request_topic_pattern_to_reply_to(reply_to: str
 )
 def test_salvage_ids_returns_none_when_ids_cannot_be_read(raw: bytes | None) -> None:
     assert salvage_ids(raw) is None
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        # an integer past Python's 4,300-digit limit: json.loads refuses the whole record
+        b'{"request_id": "r9", "user_id": "u9", "max_tokens": 1' + b"0" * 5000 + b"}",
+        # bytes that are not UTF-8, in the prompt only
+        b'{"request_id": "r9", "user_id": "u9", "prompt": "caf\xe9"}',
+        # a byte order mark before a record that fails validation
+        b'\xef\xbb\xbf{"request_id": "r9", "user_id": "u9", "max_tokens": -1}',
+    ],
+)
+def test_salvage_ids_reads_the_ids_past_a_flaw_elsewhere_in_the_record(raw: bytes) -> None:
+    with pytest.raises(InvalidRequestError):
+        decode(raw, key=b"u9")
+    assert salvage_ids(raw) == ("r9", "u9", None)
+
+
+def test_salvage_ids_refuses_an_id_whose_bytes_are_not_utf8() -> None:
+    # read leniently, the id would hold U+FFFD: not the id that was sent, so no reply names it
+    assert salvage_ids(b'{"request_id": "r\xff9", "user_id": "u9"}') is None
+    assert salvage_ids(b'{"request_id": "r9", "user_id": "u\xff9"}') is None
 
 
 def test_salvage_ids_on_deeply_nested_json_returns_none() -> None:
