@@ -36,7 +36,13 @@ from pipeline.records import now_ms
 from pipeline.risk import jsonio
 from pipeline.risk.decide import Thresholds, decide
 from pipeline.risk.features import FeatureConfig, cents
-from pipeline.risk.records import ENTITY_KINDS, InvalidRiskEventError, decode_event, salvage_event_ids
+from pipeline.risk.records import (
+    ENTITY_KINDS,
+    InvalidRiskEventError,
+    check_event_time,
+    decode_event,
+    salvage_event_ids,
+)
 from pipeline.risk.rules import DEFAULT_RULES, RuleBook, RuleError, RuleSet
 from pipeline.risk.stages import (
     REKEYED_KINDS,
@@ -352,7 +358,11 @@ class RiskAgents:
             for ev in events:
                 msg = ev.message
                 try:
-                    risk_event = decode_event(msg.value, msg.key, max_record_bytes=self.s.max_record_bytes)
+                    risk_event = check_event_time(
+                        decode_event(msg.value, msg.key, max_record_bytes=self.s.max_record_bytes),
+                        now,
+                        self.s.risk_max_ahead_ms,
+                    )
                 except InvalidRiskEventError as exc:
                     futures += await self._invalid(ev, exc.message)
                     continue

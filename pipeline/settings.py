@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipeline import degrade, ratelimit, scheduler
 from pipeline.exceptions import SettingsError
+from pipeline.risk import records as risk_records
 from pipeline.terms import PRIORITIES, TIERS, Priority
 
 __all__ = ["PRIORITIES", "TIERS", "Settings"]  # PRIORITIES and TIERS: defined in pipeline.terms
@@ -360,6 +361,14 @@ class Settings(BaseSettings):
         ge=0,
         le=86_400_000,
         description="an event more than this behind its account's latest is late, ms",
+    )
+    risk_max_ahead_ms: int = Field(
+        risk_records.MAX_AHEAD_MS,
+        ge=0,
+        le=86_400_000,
+        description="an event dated more than this after the worker's clock is refused (an error "
+        "decision and a dead letter): it would make its account's on-time events late; keep it at most "
+        "risk_grace_ms, ms",
     )
     risk_horizon_ms: int = Field(
         60_000,

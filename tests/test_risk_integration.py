@@ -17,6 +17,7 @@ import pytest
 from agents.risk import ensure_risk_topics, feature_config
 from pipeline.devtools.bench.risk_check import check_decisions, read_arrivals
 from pipeline.metrics import scrape
+from pipeline.records import now_ms
 from pipeline.risk.records import RiskDecision
 from pipeline.risk.rules import Rule
 from pipeline.risk.simulate import SimConfig, as_event, disorder, simulate
@@ -119,10 +120,17 @@ async def test_features_at_window_edges_out_of_order_late_rekeyed_and_bad_events
     decisions = {}
     for e in crafted:  # one at a time, so that every stage sees them in this order
         decisions[e["event_id"]] = await c.decide(e)
+    # an event dated a day after the worker's clock is refused; accepted, it would have moved a[2]'s
+    # latest event a day ahead, and x10, on time after x5, would have been late
+    ahead = await c.decide(event("b6", a[2], now_ms() + 86_400_000, **shared))
+    on_time = event("x10", a[2], T0 + 60_003, **shared)
+    crafted.append(on_time)
+    decisions["x10"] = await c.decide(on_time)
     for key, raw in bad:
         await c.send_raw(key, raw)
     decisions |= await decide_all(c, sim)
     err = {eid: await asyncio.wait_for(f, 30) for eid, f in errors.items()}
+    err["b6"] = ahead
 
     f = {eid: decisions[eid].features for eid in ("x1", "x2", "x3", "x6", "x8", "x9")}
     assert f["x1"]["account_count_1m"] == 0 and f["x1"]["account_since_last_s"] is None
@@ -143,6 +151,8 @@ async def test_features_at_window_edges_out_of_order_late_rekeyed_and_bad_events
         assert dec.decision == "error" and dec.error is not None and dec.error.code == "invalid_request", eid
     assert "differs from account" in err["b1"].error.message  # type: ignore[union-attr]
     assert "amount" in err["b2"].error.message and "login carries no amount" in err["b4"].error.message  # type: ignore[union-attr]
+    assert "after this worker's clock; at most 5000 ms" in err["b6"].error.message  # type: ignore[union-attr]
+    assert not decisions["x10"].late and decisions["x10"].features["account_count_1m"] == 1  # x5
 
     arrivals = await read_arrivals(d.settings)
     report = check_decisions(
@@ -155,8 +165,8 @@ async def test_features_at_window_edges_out_of_order_late_rekeyed_and_bad_events
     assert {json.loads(r.value)["event"]["event_id"] for r in late} == {
         eid for eid, dec in decisions.items() if dec.late
     }
-    dead = await d.read_topic(d.topics.deadletter, min_count=len(bad))
-    assert len(dead) == len(bad) and all(json.loads(r.value)["reason"] == "invalid_request" for r in dead)
+    dead = await d.read_topic(d.topics.deadletter, min_count=len(bad) + 1)
+    assert len(dead) == len(bad) + 1 and all(json.loads(r.value)["reason"] == "invalid_request" for r in dead)
 
     m = scrape(w.metrics())
     decided = sum(v for (n, _), v in m.items() if n == "surge_risk_decisions_total")

@@ -26,8 +26,10 @@ from pipeline.risk.features import (
     step,
 )
 from pipeline.risk.records import (
+    EventAheadOfClockError,
     InvalidRiskEventError,
     RiskDecision,
+    check_event_time,
     decode_event,
     salvage_event_ids,
 )
@@ -414,6 +416,31 @@ def test_decode_event_says_what_is_wrong() -> None:
             decode_event(raw, key, max_record_bytes=10_000)
     assert salvage_event_ids(json.dumps({**good, "amount": -1}).encode()) == ("e1", "a1")
     assert salvage_event_ids(b"{not json") is None and salvage_event_ids(b'{"event_id": 5}') is None
+
+
+def test_an_event_with_a_byte_order_mark_decodes_and_a_flawed_one_keeps_its_ids() -> None:
+    good = json.dumps(ev(1, T0)).encode()
+    assert decode_event(b"\xef\xbb\xbf" + good, b"a1", max_record_bytes=10_000).event_id == "e1"
+    # an amount past Python's 4,300-digit limit and bytes that are not UTF-8 elsewhere in the record:
+    # refused, but the ids are read, so the producer gets an error decision
+    huge = good.replace(b'"amount": 10.0', b'"amount": 1' + b"0" * 5000)
+    assert huge != good
+    not_utf8 = good.replace(b'"merchant": "m1"', b'"merchant": "m\xff"')
+    assert not_utf8 != good
+    for raw in (huge, not_utf8):
+        with pytest.raises(InvalidRiskEventError):
+            decode_event(raw, b"a1", max_record_bytes=1 << 20)
+        assert salvage_event_ids(raw) == ("e1", "a1")
+
+
+def test_an_event_dated_past_the_clock_by_more_than_the_limit_is_refused_with_the_numbers() -> None:
+    e = decode_event(json.dumps(ev(1, T0 + 5_000)).encode(), b"a1", max_record_bytes=10_000)
+    assert check_event_time(e, T0, 5_000) is e  # exactly at the limit
+    assert check_event_time(e, T0 + 60_000, 5_000) is e  # behind the clock: a backlog, never refused
+    with pytest.raises(EventAheadOfClockError) as err:
+        check_event_time(e, T0 - 1, 5_000)
+    assert (err.value.ahead_ms, err.value.limit_ms, err.value.code) == (5_001, 5_000, "invalid_request")
+    assert "5001 ms after this worker's clock; at most 5000 ms" in err.value.message
 
 
 # ---- simulator -------------------------------------------------------------------------------------

@@ -16,7 +16,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.exceptions import InvalidRequestError
-from pipeline.records import ErrorInfo, check_key, check_size, describe, salvage_object, salvaged_id
+from pipeline.records import (
+    ErrorInfo,
+    check_key,
+    check_size,
+    describe,
+    salvage_object,
+    salvaged_id,
+    without_bom,
+)
 
 EventType = Literal["payment", "transfer", "login"]
 Outcome = Literal["approve", "review", "decline", "error"]
@@ -28,8 +36,36 @@ MAX_AMOUNT = 1e9
 Id = Annotated[str, Field(min_length=1, max_length=128)]
 
 
+#: default of ``SURGE_RISK_MAX_AHEAD_MS``: the latest an event may be dated after the worker's clock
+MAX_AHEAD_MS = 5_000
+
+
 class InvalidRiskEventError(InvalidRequestError):
     """A risk event that cannot be decoded or fails validation."""
+
+
+class EventAheadOfClockError(InvalidRiskEventError):
+    """A risk event dated further after the worker's clock than ``SURGE_RISK_MAX_AHEAD_MS``."""
+
+    def __init__(self, account: str, event_time_ms: int, now_ms: int, limit_ms: int) -> None:
+        ahead = event_time_ms - now_ms
+        super().__init__(
+            f"event_time_ms {event_time_ms} is {ahead} ms after this worker's clock; at most {limit_ms} ms "
+            f"is accepted (a later time would move account {account[:80]!r}'s latest event past every "
+            "on-time event, and those would be late)"
+        )
+        self.event_time_ms, self.now_ms, self.ahead_ms, self.limit_ms = event_time_ms, now_ms, ahead, limit_ms
+
+
+def check_event_time(event: RiskEvent, now_ms: int, max_ahead_ms: int) -> RiskEvent:
+    """``event``, unless it is dated more than ``max_ahead_ms`` after ``now_ms`` (the worker's clock):
+    then :class:`EventAheadOfClockError`. An account's latest event time only moves forward, and an
+    event more than the grace period behind it is late (added to no feature), so one event dated
+    far ahead would leave every later on-time event of its account unscored by its features until
+    the clock caught up. docs/architecture.md, "Risk: features"."""
+    if event.event_time_ms - now_ms > max_ahead_ms:
+        raise EventAheadOfClockError(event.account, event.event_time_ms, now_ms, max_ahead_ms)
+    return event
 
 
 class RiskEvent(BaseModel):
@@ -114,7 +150,7 @@ def decode_event(raw: bytes | None, key: bytes | None, *, max_record_bytes: int)
     """Decode and validate one event record; raises :class:`InvalidRiskEventError` only."""
     raw = check_size(raw, max_record_bytes, InvalidRiskEventError)
     try:
-        ev = RiskEvent.model_validate_json(raw)
+        ev = RiskEvent.model_validate_json(without_bom(raw))
     except ValidationError as exc:
         kinds = {e["type"] for e in exc.errors()}
         if kinds & {"json_invalid", "json_type"}:

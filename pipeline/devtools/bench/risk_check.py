@@ -19,7 +19,13 @@ from aiokafka import TopicPartition
 from pipeline.client import partitions_of
 from pipeline.devtools.bench.background import plain_consumer
 from pipeline.risk.features import NAMES, FeatureConfig
-from pipeline.risk.records import ENTITY_KINDS, InvalidRiskEventError, RiskDecision, decode_event
+from pipeline.risk.records import (
+    ENTITY_KINDS,
+    InvalidRiskEventError,
+    RiskDecision,
+    check_event_time,
+    decode_event,
+)
 from pipeline.risk.reference import compare, recompute
 from pipeline.risk.stages import REKEYED_KINDS, RepartitionRecordError, unpack
 from pipeline.settings import Settings
@@ -52,7 +58,10 @@ async def read_all(bootstrap: str, topic: str, options: dict[str, Any] | None = 
 async def read_arrivals(
     settings: Settings, options: dict[str, Any] | None = None
 ) -> dict[str, list[dict[str, Any]]]:
-    """Per entity kind, the events in the order its stage read them (valid events only)."""
+    """Per entity kind, the events in the order its stage read them (valid events only). An event
+    dated more than ``risk_max_ahead_ms`` after its record's timestamp counts as refused: the worker
+    compares with its own clock when it reads the record, which is later, so the two differ only for
+    an event within that delay of the limit."""
     from agents.risk import repartition_topic
 
     bootstrap = settings.bootstrap_servers
@@ -63,9 +72,8 @@ async def read_arrivals(
     ).values():
         for rec in records:
             try:
-                events.append(
-                    decode_event(rec.value, rec.key, max_record_bytes=settings.max_record_bytes).model_dump()
-                )
+                ev = decode_event(rec.value, rec.key, max_record_bytes=settings.max_record_bytes)
+                events.append(check_event_time(ev, rec.timestamp, settings.risk_max_ahead_ms).model_dump())
             except InvalidRiskEventError:
                 continue
     arrivals["account"] = events
