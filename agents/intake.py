@@ -85,7 +85,7 @@ class Intake:
                     f"unknown model {req.model[:80]!r}; this deployment serves "
                     f"{', '.join(sorted(s.accepted_models()))}"
                 )
-            reply_to = rt.reply_policy.resolve(req.reply_to)
+            reply_to = await rt.reply_topic(req.reply_to)
         except InvalidRequestError as exc:
             rt.acker.ack_after([ticket], await reject(rt, event, exc.code, exc.message, exc.message))
             return
@@ -254,7 +254,7 @@ async def reject(rt: Runtime, event: EventT, code: str, message: str, detail: st
             await rt.error_reply(
                 request_id=rid,
                 user_id=uid,
-                reply_to=rt.reply_policy.safe(reply_to),
+                reply_to=await rt.safe_reply_topic(reply_to),
                 code=code,
                 message=message,
                 record=False,

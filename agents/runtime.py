@@ -24,12 +24,13 @@ from agents.acks import Acker
 from agents.durable_table import DurableTable
 from agents.offset_oracle import OffsetOracle
 from agents.reply_order import ReplySequencer
-from pipeline.compat import as_current_event, producer_partitions_for
+from pipeline.compat import as_current_event, producer_partitions_for, topic_exists
+from pipeline.exceptions import InvalidRequestError
 from pipeline.keys import reply_key
 from pipeline.metrics import Metrics
 from pipeline.records import DeadLetter, ErrorInfo, InferenceReply, Timings, encode, now_ms
 from pipeline.replybook import ReplyBook
-from pipeline.replyto import ReplyToPolicy
+from pipeline.replyto import KnownTopics, ReplyToPolicy
 from pipeline.settings import Settings
 from pipeline.topics import TopicNames
 
@@ -69,6 +70,8 @@ class Runtime:
     acker: Acker = field(init=False)
     replies_in_order: ReplySequencer = field(init=False)
     reply_policy: ReplyToPolicy = field(init=False)
+    #: which reply topics exist (a reply never creates one): pipeline.replyto.KnownTopics
+    reply_topics: KnownTopics = field(init=False)
     _topics: dict[str, faust.TopicT] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -78,6 +81,25 @@ class Runtime:
         self.reply_policy = ReplyToPolicy(
             self.topics, self.settings.app_id, self.settings.reply_topic_pattern
         )
+        self.reply_topics = KnownTopics(lambda name: topic_exists(self.app.producer, name))
+
+    async def reply_topic(self, reply_to: str | None) -> str:
+        """The topic a request's replies go to: its ``reply_to`` when allowed and existing; raises
+        :class:`InvalidRequestError` otherwise (docs/architecture.md, "Tenant isolation")."""
+        name = self.reply_policy.resolve(reply_to)
+        if name != self.topics.replies and not await self.reply_topics.exists(name):
+            raise InvalidRequestError(
+                f"reply_to topic {name!r} does not exist; create it before naming it "
+                "(a reply never creates a topic)"
+            )
+        return name
+
+    async def safe_reply_topic(self, reply_to: str | None) -> str:
+        """``reply_to`` when allowed and existing, else the default replies topic (error replies)."""
+        try:
+            return await self.reply_topic(reply_to)
+        except InvalidRequestError:
+            return self.topics.replies
 
     def topic(self, name: str) -> faust.TopicT:
         """A raw-bytes topic handle, created once per name."""

@@ -49,6 +49,28 @@ async def producer_partitions_for(producer: ProducerT, topic: str) -> set[int]:
     return set(await kafka_producer(producer).partitions_for(topic))
 
 
+async def topic_exists(producer: ProducerT, topic: str) -> bool:
+    """Whether ``topic`` exists, asked of the broker with a metadata request that does not create it.
+
+    Why: a producer's own metadata request for a topic it is about to send to asks the broker to
+    create a missing one (``allow_auto_topic_creation``, true in aiokafka's requests, as in the admin
+    client's ``describe_topics``); only listing every topic avoids that publicly, which costs the
+    whole cluster's metadata per question. Private: ``AIOKafkaClient.send`` with a
+    ``MetadataRequest`` built here, on the client of Faust's producer.
+    """
+    from aiokafka.protocol.metadata import MetadataRequest
+
+    client = kafka_producer(producer).client
+    node = client.get_random_node()
+    if node is None:
+        raise ConnectionError("no broker is known to ask whether a topic exists")
+    response = await client.send(node, MetadataRequest([topic], allow_auto_topic_creation=False))
+    for entry in response.to_object()["topics"]:
+        if entry["topic"] == topic:
+            return int(entry["error_code"]) == 0
+    return False
+
+
 def forget_topic_metadata(producer: ProducerT, topic: str) -> None:
     """Drop ``topic`` from the metadata of Faust's producer, as a refresh answered by a slow broker
     without the topic leaves it (the producer fetches it again when it next sends there).

@@ -5,12 +5,17 @@ table on its next recovery), into ``__consumer_offsets`` (the broker refuses, th
 never acked and its partition never commits again), into a work topic (skipping intake), or create
 a new topic per request. Only topics matching the configured pattern are allowed (by default the
 replies topic and ``<prefix>replies.<suffix>``), and internal topics are refused whatever the
-pattern says. Pure: no Kafka imports.
+pattern says; and of those only topics that exist (:class:`KnownTopics`): a reply to a missing
+topic would create it on a broker with ``auto.create.topics.enable`` (one new topic per request name
+a client makes up) and wait for its metadata on one without. Pure: no Kafka imports.
 """
 
 from __future__ import annotations
 
 import re
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 
 from pipeline.exceptions import InvalidRequestError
 from pipeline.terms import PRIORITIES as _PRIORITIES
@@ -56,3 +61,58 @@ class ReplyToPolicy:
             return self.resolve(reply_to)
         except InvalidRequestError:
             return self.topics.replies
+
+
+#: how long a topic found to exist is believed to (it is asked about again after this), ms
+FOUND_TTL_MS = 60_000
+#: how long a topic found missing is believed to be (a client that creates its reply topic just
+#: after naming it is refused this long), ms
+MISSING_TTL_MS = 1_000
+#: names remembered at most (least recently asked about forgotten first): a client making up a new
+#: name per request grows nothing past this
+MAX_NAMES = 10_000
+
+
+class KnownTopics:
+    """Whether reply topics exist, as the broker answered ``probe`` (a metadata request that never
+    creates the topic), each answer remembered for a while: :data:`FOUND_TTL_MS` when found,
+    :data:`MISSING_TTL_MS` when missing. ``probe`` raising (the broker did not answer) counts as
+    found and is not remembered: the reply is then sent as before, and it is asked again next time."""
+
+    def __init__(
+        self,
+        probe: Callable[[str], Awaitable[bool]],
+        *,
+        found_ttl_ms: float = FOUND_TTL_MS,
+        missing_ttl_ms: float = MISSING_TTL_MS,
+        max_names: int = MAX_NAMES,
+        clock_ms: Callable[[], float] = lambda: time.monotonic() * 1000.0,
+    ) -> None:
+        self.probe = probe
+        self.found_ttl_ms, self.missing_ttl_ms, self.max_names = found_ttl_ms, missing_ttl_ms, max_names
+        self.clock_ms = clock_ms
+        self._answers: OrderedDict[str, tuple[bool, float]] = OrderedDict()
+        #: metadata requests made, and those that failed (for /status and the tests)
+        self.probes = self.probe_errors = 0
+
+    def __len__(self) -> int:
+        return len(self._answers)
+
+    async def exists(self, name: str) -> bool:
+        """Called for every reply topic a request names, before anything is sent there."""
+        now = self.clock_ms()
+        known = self._answers.get(name)
+        if known is not None and now - known[1] < (self.found_ttl_ms if known[0] else self.missing_ttl_ms):
+            self._answers.move_to_end(name)
+            return known[0]
+        self.probes += 1
+        try:
+            found = await self.probe(name)
+        except Exception:
+            self.probe_errors += 1
+            return True
+        self._answers[name] = (found, self.clock_ms())
+        self._answers.move_to_end(name)
+        while len(self._answers) > self.max_names:
+            self._answers.popitem(last=False)
+        return found

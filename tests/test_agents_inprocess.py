@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 from confluent_kafka import Producer
 from faust.types.tuples import FutureMessage
 
@@ -243,6 +244,42 @@ async def test_records_from_a_librdkafka_producer_byte_order_marks_flaws_and_fut
         # INPROCESS_ENV gives every class 60 s; from the hour ahead it would be 3,660 s
         assert item["created_at_ms"] == sent.timestamp + 1_000
         assert item["deadline_at_ms"] == sent.timestamp + 1_000 + 60_000
+
+
+async def test_a_reply_topic_that_does_not_exist_is_refused_and_never_created(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    """The session broker creates topics on request, as many clusters do: a reply sent to a missing
+    topic would create it, one topic per name a client makes up (and wait for its metadata on a
+    cluster that creates none). The request gets an error on the default replies topic instead."""
+    async with inprocess(kafka, tmp_path, reply_suffixes=("team-a",)) as w:
+        made_up = [f"{w.topics.replies}.made-up-{i}" for i in range(20)]
+        refused = [w.client.expect(f"mallory-{i}") for i in range(len(made_up))]
+        for i, topic in enumerate(made_up):
+            raw = json.dumps(
+                request(f"x{i}", "mallory", "hi", reply_to=topic) | {"request_id": f"mallory-{i}"}
+            )
+            await w.client.send_raw(b"mallory", raw.encode())
+        team = await w.client_of(f"{w.topics.replies}.team-a")
+        served = await team.submit(request("team", "alice", "to my team's topic", reply_to=team.reply_topic))
+        await team.producer.flush()
+        errors = await w.replies(*refused)
+        (ok,) = await asyncio.wait_for(asyncio.gather(served), REPLY_TIMEOUT_S)
+        await w.settled()
+
+        assert (ok.status, ok.answer) == ("ok", "to my team's topic")
+        for reply, topic in zip(errors, made_up, strict=True):
+            assert reply.error is not None and reply.error.code == "invalid_request"
+            assert f"reply_to topic {topic!r} does not exist" in reply.error.message
+        assert await w.count(w.topics.replies) == len(made_up)  # the errors came on the default topic
+        assert await w.count(w.topics.deadletter) == len(made_up)
+        admin = AIOKafkaAdminClient(bootstrap_servers=w.deployment.bootstrap)
+        await admin.start()
+        try:
+            assert not set(made_up) & set(await admin.list_topics()), "a reply created a topic"
+        finally:
+            await admin.close()
+        assert w.rt.reply_topics.probes == len(made_up) + 1  # one question per name
 
 
 async def test_a_redelivered_request_gets_the_recorded_reply_byte_for_byte(

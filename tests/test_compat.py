@@ -120,6 +120,27 @@ async def test_producer_partitions_for_loads_the_metadata(kafka: EmbeddedKafka) 
         await producer.stop()
 
 
+@pytest.mark.integration
+async def test_topic_exists_asks_without_creating_the_topic(kafka: EmbeddedKafka) -> None:
+    # the session broker creates topics on request (auto.create.topics.enable), as a producer's
+    # metadata request for a missing topic shows; this question must not
+    topic = await _create_topic(kafka.bootstrap, 1)
+    missing = f"compat-missing-{uuid.uuid4().hex[:8]}"
+    app = faust.App(f"compat-{uuid.uuid4().hex[:8]}", broker=f"kafka://{kafka.bootstrap}", autodiscover=False)
+    producer = app.producer
+    await producer.maybe_start()
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap)
+    await admin.start()
+    try:
+        assert await compat.topic_exists(producer, topic)
+        assert not await compat.topic_exists(producer, missing)
+        assert not await compat.topic_exists(producer, missing)
+        assert missing not in await admin.list_topics()
+    finally:
+        await admin.close()
+        await producer.stop()
+
+
 def test_faust_reads_and_writes_read_offsets_through_the_mapping() -> None:
     from faust.transport.consumer import Consumer
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from pipeline.exceptions import InvalidRequestError
 from pipeline.keys import cache_key, reply_key, request_scope, source_key
 from pipeline.records import InferenceRequest
 from pipeline.replybook import ReplyBook
-from pipeline.replyto import ReplyToPolicy
+from pipeline.replyto import KnownTopics, ReplyToPolicy
 from pipeline.topics import TopicNames
 
 
@@ -103,3 +105,61 @@ def test_reply_to_allows_the_replies_family_and_a_configured_pattern() -> None:
     wide = ReplyToPolicy(TopicNames("surge."), app_id="surge", pattern=r".*")
     with pytest.raises(InvalidRequestError):
         wide.resolve("surge-answers-changelog")
+
+
+class Broker:
+    """What a metadata probe would answer: the topics that exist; counts the questions."""
+
+    def __init__(self, *topics: str) -> None:
+        self.topics, self.asked, self.down = set(topics), 0, False
+
+    async def probe(self, name: str) -> bool:
+        self.asked += 1
+        if self.down:
+            raise ConnectionError("broker down")
+        return name in self.topics
+
+
+def test_known_topics_asks_once_and_remembers_found_longer_than_missing() -> None:
+    broker, now = Broker("surge.replies.team-a"), [0.0]
+    known = KnownTopics(broker.probe, found_ttl_ms=60_000, missing_ttl_ms=1_000, clock_ms=lambda: now[0])
+
+    async def main() -> None:
+        assert await known.exists("surge.replies.team-a") and await known.exists("surge.replies.team-a")
+        assert not await known.exists("surge.replies.nobody") and not await known.exists(
+            "surge.replies.nobody"
+        )
+        assert broker.asked == 2  # one question per name
+        # a client creates its topic after being refused: refused until the missing answer expires
+        broker.topics.add("surge.replies.nobody")
+        now[0] = 999.0
+        assert not await known.exists("surge.replies.nobody")
+        now[0] = 1_000.0
+        assert await known.exists("surge.replies.nobody") and broker.asked == 3
+        # a found topic is asked about again only after a minute
+        now[0] = 59_999.0
+        await known.exists("surge.replies.team-a")
+        assert broker.asked == 3
+        now[0] = 60_000.0
+        await known.exists("surge.replies.team-a")
+        assert broker.asked == 4
+
+    asyncio.run(main())
+
+
+def test_known_topics_is_bounded_and_counts_an_unanswered_question_as_found() -> None:
+    broker = Broker()
+    known = KnownTopics(broker.probe, max_names=100)
+
+    async def main() -> None:
+        for i in range(1_000):  # a client making up a name per request
+            assert not await known.exists(f"surge.replies.x{i}")
+        assert len(known) == 100 and broker.asked == 1_000
+        # the broker does not answer: the reply is sent as before, and the name is not remembered
+        broker.down = True
+        assert await known.exists("surge.replies.later")
+        assert known.probe_errors == 1 and len(known) == 100
+        broker.down = False
+        assert not await known.exists("surge.replies.later") and broker.asked == 1_002
+
+    asyncio.run(main())
