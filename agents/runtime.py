@@ -28,7 +28,15 @@ from pipeline.compat import as_current_event, producer_partitions_for, topic_exi
 from pipeline.exceptions import InvalidRequestError
 from pipeline.keys import reply_key
 from pipeline.metrics import Metrics
-from pipeline.records import DeadLetter, ErrorInfo, InferenceReply, Timings, encode, now_ms
+from pipeline.records import (
+    DeadLetter,
+    ErrorInfo,
+    InferenceReply,
+    Timings,
+    deadletter_key,
+    encode,
+    now_ms,
+)
 from pipeline.replybook import ReplyBook
 from pipeline.replyto import KnownTopics, ReplyToPolicy
 from pipeline.settings import Settings
@@ -275,8 +283,10 @@ class Runtime:
             DEADLETTER_RAW_BYTES,
         )
         self.metrics.deadletter.labels(reason=reason).inc()
-        log.warning("dead letter %s[%d]@%d: %s", msg.topic, msg.partition, msg.offset, message)
-        return await self.send(self.topics.deadletter, key, encode(dl))
+        log.warning("dead letter %s[%d]@%d: %s", msg.topic, msg.partition, msg.offset, dl.message)
+        return await self.send(
+            self.topics.deadletter, None if key is None else deadletter_key(key), encode(dl)
+        )
 
 
 class _Delivery:

@@ -184,6 +184,9 @@ class DeadLetter(BaseModel):
     raw_b64: str
     raw_bytes: int
     raw_truncated: bool = False
+    #: the original key's length, and whether key_b64 (and the dead letter's own key) were cut
+    key_bytes: int | None = None
+    key_truncated: bool = False
     at_ms: int
 
     @classmethod
@@ -198,19 +201,42 @@ class DeadLetter(BaseModel):
         raw: bytes,
         max_raw_bytes: int = 1 << 20,
     ) -> DeadLetter:
-        """A dead letter for one record; raw bytes beyond ``max_raw_bytes`` are cut (and flagged)."""
+        """A dead letter for one record; raw bytes beyond ``max_raw_bytes``, key bytes beyond
+        :data:`DEADLETTER_KEY_BYTES` and message characters beyond :data:`DEADLETTER_MESSAGE_CHARS` are
+        cut (the first two flagged), so that a record's size can never make its dead letter too
+        large for the broker."""
         return cls(
             source_topic=topic,
             partition=partition,
             offset=offset,
             reason=reason,
-            message=message,
-            key_b64=base64.b64encode(key).decode() if key is not None else None,
+            message=cut_text(message, DEADLETTER_MESSAGE_CHARS),
+            key_b64=base64.b64encode(deadletter_key(key)).decode() if key is not None else None,
             raw_b64=base64.b64encode(raw[:max_raw_bytes]).decode(),
             raw_bytes=len(raw),
             raw_truncated=len(raw) > max_raw_bytes,
+            key_bytes=len(key) if key is not None else None,
+            key_truncated=key is not None and len(key) > DEADLETTER_KEY_BYTES,
             at_ms=now_ms(),
         )
+
+
+#: key bytes kept in a dead letter (and as its own key): a request's key is its user_id (at most 128
+#: characters), and a key of up to the broker's record limit must not make the dead letter too large
+DEADLETTER_KEY_BYTES = 1024
+#: characters of the reason's message kept in a dead letter
+DEADLETTER_MESSAGE_CHARS = 2000
+
+
+def deadletter_key(key: bytes) -> bytes:
+    """The key a dead letter carries (and is written with): the original, cut to its first
+    :data:`DEADLETTER_KEY_BYTES` bytes."""
+    return key[:DEADLETTER_KEY_BYTES]
+
+
+def cut_text(text: str, limit: int) -> str:
+    """``text``, or its first ``limit`` characters and how many more there were."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def describe(exc: ValidationError) -> str:
@@ -276,10 +302,8 @@ def check_key(
     """Raise ``error`` when a record's Kafka key is not its ``field`` (``value``): records are keyed by
     that field, so that one user's (or account's) records share a partition."""
     if key is not None and key.decode("utf-8", "replace") != value:
-        raise error(
-            f"record key {key.decode('utf-8', 'replace')!r} differs from {field} {value!r}; "
-            f"key {records} by {field}"
-        )
+        shown = key[:80].decode("utf-8", "replace") + (f"... ({len(key)} bytes)" if len(key) > 80 else "")
+        raise error(f"record key {shown!r} differs from {field} {value!r}; key {records} by {field}")
 
 
 def salvage_object(raw: bytes | None) -> dict[str, Any] | None:

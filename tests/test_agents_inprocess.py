@@ -246,6 +246,30 @@ async def test_records_from_a_librdkafka_producer_byte_order_marks_flaws_and_fut
         assert item["deadline_at_ms"] == sent.timestamp + 1_000 + 60_000
 
 
+async def test_a_key_near_the_record_limit_gets_a_small_error_reply_and_a_dead_letter_under_1_mib(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    """A default cluster refuses records over 1 MiB; the session broker takes 8 MiB, so the sizes
+    are checked here: the error reply named the whole 700 KB key, and the dead letter (the key in
+    its message, base64'd, and as its own key) came to 2.4 MB, which a default cluster refuses on
+    every try until the worker stops."""
+    async with inprocess(kafka, tmp_path) as w:
+        error = w.client.expect("r-bigkey")
+        await w.client.send_raw(b"k" * 700_000, json.dumps(request("bigkey", "carol", "hi")).encode())
+        good = await w.client.submit(request("after", "carol", "still served"))
+        refused, ok = await w.replies(error, good)
+        await w.settled()
+
+        assert ok.status == "ok" and refused.error is not None and refused.error.code == "invalid_request"
+        assert "(700000 bytes)" in refused.error.message
+        (reply_record,) = [r for r in await w.records(w.topics.replies, 2) if b"r-bigkey" in r.value]
+        assert len(reply_record.value) < 1_000
+        (letter,) = await w.records(w.topics.deadletter, 1)
+        assert len(letter.key) + len(letter.value) < 10_000
+        dl = DeadLetter.model_validate_json(letter.value)
+        assert (dl.key_bytes, dl.key_truncated, letter.key) == (700_000, True, b"k" * 1024)
+
+
 async def test_a_reply_topic_that_does_not_exist_is_refused_and_never_created(
     kafka: EmbeddedKafka, tmp_path: Path
 ) -> None:

@@ -17,6 +17,7 @@ from pipeline.records import (
     InferenceRequest,
     Message,
     Timings,
+    deadletter_key,
     decode_request,
     encode,
     salvage_ids,
@@ -414,6 +415,27 @@ def test_dead_letter_truncates_raw_beyond_the_limit_and_flags_it() -> None:
     assert dl.raw_bytes == 1024 and dl.raw_truncated is True
     exact = DeadLetter.of("t", 0, 0, "r", "m", None, raw[:100], max_raw_bytes=100)
     assert exact.raw_truncated is False and base64.b64decode(exact.raw_b64) == raw[:100]
+
+
+def test_a_record_near_the_broker_limit_in_its_key_gets_a_dead_letter_the_broker_accepts() -> None:
+    # a default cluster refuses records over 1 MiB (message.max.bytes 1048588): a 900 KB key echoed in
+    # the message, base64'd and used as the dead letter's own key made a 2.4 MB record, refused on
+    # every try, and the worker stopped after its last attempt (and again on every redelivery)
+    key, raw = b"k" * 900_000, b'{"request_id": "r", "user_id": "u", "prompt": "x"}'
+    message = rejected(raw, key=key)
+    assert len(message) < 300 and "(900000 bytes)" in message
+    dl = DeadLetter.of("t", 0, 0, "invalid_request", message, key, raw, max_raw_bytes=600_000)
+    assert len(encode(dl)) + len(deadletter_key(key)) < 10_000
+    assert dl.key_bytes == 900_000 and dl.key_truncated is True
+    assert dl.key_b64 is not None and base64.b64decode(dl.key_b64) == key[:1024]
+    # and at the limits of everything at once
+    worst = DeadLetter.of(
+        "t", 0, 0, "internal", "m" * 1_000_000, key, b"r" * 1_000_000, max_raw_bytes=600_000
+    )
+    assert len(encode(worst)) + len(deadletter_key(key)) < 1_000_000
+    assert worst.message.endswith("(998000 more characters)")
+    small = DeadLetter.of("t", 0, 0, "r", "m", b"user-1", b"x")
+    assert (small.key_bytes, small.key_truncated) == (6, False)
 
 
 # ---- encode / replies -----------------------------------------------------------------------------
