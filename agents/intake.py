@@ -130,8 +130,8 @@ class Intake:
         """Refuse, answer from the cache, or forward one valid request."""
         rt, s = self.rt, self.rt.settings
         record_ms = int(event.message.timestamp * 1000)
-        created = request_created_ms(req.created_at, record_ms)
         now = now_ms()
+        created = request_created_ms(req.created_at, record_ms, now)
         class_ms = s.deadline_ms(req.priority)
         own_ms = req.deadline_ms if s.deadlines_enabled else None
         deadline = absolute_deadline_ms(created, class_ms, own_ms)

@@ -412,14 +412,16 @@ class _LazyMin:
 CLOCK_SLACK_MS = 1000
 
 
-def request_created_ms(created_at_ms: int | None, record_ms: int, slack_ms: int = CLOCK_SLACK_MS) -> int:
-    """When a request's deadlines count from: its ``created_at``, else its record's timestamp; a
-    ``created_at`` more than ``slack_ms`` after the record's timestamp counts from ``record_ms +
-    slack_ms``, since a date in the future would lengthen every deadline of the request (which
-    ``deadline_ms`` may only shorten) and keep it from ever expiring."""
-    if created_at_ms is None:
-        return record_ms
-    return min(created_at_ms, record_ms + slack_ms)
+def request_created_ms(
+    created_at_ms: int | None, record_ms: int, now_ms: int, slack_ms: int = CLOCK_SLACK_MS
+) -> int:
+    """When a request's deadlines count from: its ``created_at``, else its record's timestamp, but
+    never more than ``slack_ms`` after the record's timestamp or after ``now_ms`` (the worker's clock
+    when it reads the record; the producer chooses the record's timestamp too). A date in the
+    future would lengthen every deadline of the request (which ``deadline_ms`` may only shorten) and
+    keep it from ever expiring."""
+    created = record_ms if created_at_ms is None else created_at_ms
+    return min(created, min(record_ms, now_ms) + slack_ms)
 
 
 def absolute_deadline_ms(created_at_ms: float, class_ms: int | None, request_ms: int | None) -> float | None:

@@ -208,8 +208,9 @@ async def test_records_from_a_librdkafka_producer_byte_order_marks_flaws_and_fut
     """A producer that is not aiokafka (confluent-kafka: librdkafka, its own partitioner for keys)
     writes what such producers write: a JSON text with a byte order mark (served), records with a
     flaw away from their ids (an over-long integer, bytes that are not UTF-8: an error reply naming
-    the request, and a dead letter each), and a real-time request dated an hour ahead, whose deadline
-    counts from its record's time plus the clock slack, not from that hour."""
+    the request, and a dead letter each), and real-time requests dated an hour ahead (by created_at,
+    or by the record's own timestamp), whose deadlines count from the record's time or the worker's
+    clock plus the clock slack, not from that hour."""
     producer = Producer({"bootstrap.servers": kafka.bootstrap})
     async with inprocess(kafka, tmp_path) as w:
         ok, huge, latin1 = w.client.expect("r-bom"), w.client.expect("r-huge"), w.client.expect("r-latin1")
@@ -227,9 +228,16 @@ async def test_records_from_a_librdkafka_producer_byte_order_marks_flaws_and_fut
         ]
         for raw in records:
             producer.produce(w.topics.requests, key=b"carol", value=raw)
+        # no created_at, but the record's own timestamp (the producer's choice) an hour ahead
+        stamped = w.client.expect("r-stamped")
+        value = json.dumps(request("stamped", "carol", "stamped an hour ahead", priority="realtime"))
+        producer.produce(w.topics.requests, key=b"carol", value=value.encode(), timestamp=hour_ahead)
         assert producer.flush(30) == 0, "librdkafka did not deliver every record"
-        served, huge_error, latin1_error, ahead_reply = await w.replies(ok, huge, latin1, ahead)
+        served, huge_error, latin1_error, ahead_reply, stamped_reply = await w.replies(
+            ok, huge, latin1, ahead, stamped
+        )
         await w.settled()
+        read_by = now_ms()
 
         assert (served.status, served.answer) == ("ok", "with a byte order mark")
         for reply in (huge_error, latin1_error):
@@ -238,12 +246,18 @@ async def test_records_from_a_librdkafka_producer_byte_order_marks_flaws_and_fut
         assert latin1_error.error is not None and "not UTF-8" in latin1_error.error.message
         assert await w.count(w.topics.deadletter) == 2
         assert ahead_reply.status == "ok"
-        (sent,) = [r for r in await w.records(w.topics.requests, 4) if b"r-ahead" in r.value]
-        (item,) = [json.loads(r.value) for r in await w.records(w.topics.work("realtime"), 1)]
-        assert item["request"]["request_id"] == "r-ahead"
+        assert stamped_reply.status == "ok"
+        (sent,) = [r for r in await w.records(w.topics.requests, 5) if b"r-ahead" in r.value]
+        items = {
+            item["request"]["request_id"]: item
+            for item in (json.loads(r.value) for r in await w.records(w.topics.work("realtime"), 2))
+        }
         # INPROCESS_ENV gives every class 60 s; from the hour ahead it would be 3,660 s
-        assert item["created_at_ms"] == sent.timestamp + 1_000
-        assert item["deadline_at_ms"] == sent.timestamp + 1_000 + 60_000
+        assert items["r-ahead"]["created_at_ms"] == sent.timestamp + 1_000
+        assert items["r-ahead"]["deadline_at_ms"] == sent.timestamp + 1_000 + 60_000
+        # the worker's clock when it read the record, plus the slack
+        assert items["r-stamped"]["created_at_ms"] <= read_by + 1_000
+        assert items["r-stamped"]["deadline_at_ms"] <= read_by + 1_000 + 60_000
 
 
 async def test_a_key_near_the_record_limit_gets_a_small_error_reply_and_a_dead_letter_under_1_mib(

@@ -524,12 +524,16 @@ def test_take_where_removes_what_it_selects_in_arrival_order_and_the_queue_works
 
 
 def test_a_request_dated_in_the_future_never_lengthens_its_deadline() -> None:
-    record = 1_700_000_000_000
-    assert request_created_ms(None, record) == record  # no created_at: the record's timestamp
-    assert request_created_ms(record - 60_000, record) == record - 60_000  # dated early: kept
-    assert request_created_ms(record + 900, record) == record + 900  # within the clock slack
+    record, now = 1_700_000_000_000, 1_700_000_000_050
+    assert request_created_ms(None, record, now) == record  # no created_at: the record's timestamp
+    assert request_created_ms(record - 60_000, record, now) == record - 60_000  # dated early: kept
+    assert request_created_ms(record + 900, record, now) == record + 900  # within the clock slack
     # an hour ahead: counted from the record's time plus the slack, so a real-time request still
     # expires 200 ms (+ slack) after it was written instead of an hour later
-    created = request_created_ms(record + 3_600_000, record, slack_ms=1_000)
+    created = request_created_ms(record + 3_600_000, record, now, slack_ms=1_000)
     assert created == record + 1_000
     assert absolute_deadline_ms(created, 200, None) == record + 1_200
+    # the producer chose the record's timestamp an hour ahead too: the worker's clock bounds both
+    ahead = record + 3_600_000
+    assert request_created_ms(None, ahead, now, slack_ms=1_000) == now + 1_000
+    assert request_created_ms(ahead, ahead, now, slack_ms=1_000) == now + 1_000
