@@ -38,14 +38,35 @@ def changelog_config(settings: Settings, topic: str) -> dict[str, str]:
     return {"cleanup.policy": "compact"}
 
 
+def topic_config(
+    settings: Settings, topic: str, compacted: set[str], *, broker_time: bool = True
+) -> dict[str, str]:
+    """Topic configs of a topic surge creates: changelogs as :func:`changelog_config`; the request
+    topic stamps each record with the broker's time when it appends it (``LogAppendTime``), since
+    deadlines count from a request's record timestamp when it names no ``created_at``, and a
+    producer's own timestamp (``CreateTime``) is whatever the producer says: stamped a little in the
+    past, a request would miss its deadline inside the worker and count against the degradation
+    controller's miss rate, degrading service for everyone (docs/architecture.md, "Degradation").
+    ``broker_time=False`` keeps the producer's: a replay copies recorded requests with their
+    timestamps, which must survive the copy."""
+    if topic in compacted:
+        return changelog_config(settings, topic)
+    if broker_time and topic == TopicNames(settings.topic_prefix).requests:
+        return {"message.timestamp.type": "LogAppendTime"}
+    return {}
+
+
 async def ensure_topics(
     settings: Settings,
     extra: Iterable[str] = (),
     timeout_s: float = 30.0,
     compacted_extra: Iterable[str] = (),
+    *,
+    broker_time: bool = True,
 ) -> list[str]:
     """Create every surge topic, the tables' changelogs, ``extra`` ones and ``compacted_extra`` ones
-    (compacted) that do not exist yet."""
+    (compacted) that do not exist yet, configured by :func:`topic_config` (``broker_time``: the
+    request topic's records carry the broker's time)."""
     names = [*TopicNames(settings.topic_prefix).all(), *extra]
     compacted = set(changelog_topics(settings)) | set(compacted_extra)
     names += sorted(compacted)
@@ -69,7 +90,7 @@ async def ensure_topics(
                             n,
                             settings.partitions,
                             settings.replication_factor,
-                            topic_configs=changelog_config(settings, n) if n in compacted else {},
+                            topic_configs=topic_config(settings, n, compacted, broker_time=broker_time),
                         )
                         for n in todo
                     ]

@@ -228,13 +228,16 @@ async def test_records_from_a_librdkafka_producer_byte_order_marks_flaws_and_fut
         ]
         for raw in records:
             producer.produce(w.topics.requests, key=b"carol", value=raw)
-        # no created_at, but the record's own timestamp (the producer's choice) an hour ahead
-        stamped = w.client.expect("r-stamped")
+        # no created_at, but the record's own timestamp (the producer's choice) an hour ahead, and
+        # ten minutes behind: the request topic keeps the broker's time instead (LogAppendTime)
+        stamped, past = w.client.expect("r-stamped"), w.client.expect("r-past")
         value = json.dumps(request("stamped", "carol", "stamped an hour ahead", priority="realtime"))
         producer.produce(w.topics.requests, key=b"carol", value=value.encode(), timestamp=hour_ahead)
+        value = json.dumps(request("past", "carol", "stamped ten minutes ago", priority="realtime"))
+        producer.produce(w.topics.requests, key=b"carol", value=value.encode(), timestamp=now_ms() - 600_000)
         assert producer.flush(30) == 0, "librdkafka did not deliver every record"
-        served, huge_error, latin1_error, ahead_reply, stamped_reply = await w.replies(
-            ok, huge, latin1, ahead, stamped
+        served, huge_error, latin1_error, ahead_reply, stamped_reply, past_reply = await w.replies(
+            ok, huge, latin1, ahead, stamped, past
         )
         await w.settled()
         read_by = now_ms()
@@ -246,11 +249,14 @@ async def test_records_from_a_librdkafka_producer_byte_order_marks_flaws_and_fut
         assert latin1_error.error is not None and "not UTF-8" in latin1_error.error.message
         assert await w.count(w.topics.deadletter) == 2
         assert ahead_reply.status == "ok"
-        assert stamped_reply.status == "ok"
-        (sent,) = [r for r in await w.records(w.topics.requests, 5) if b"r-ahead" in r.value]
+        # stamped ten minutes ago, it would have been refused as 10 minutes late; served now
+        assert stamped_reply.status == "ok" and past_reply.status == "ok", past_reply.error
+        on_topic = await w.records(w.topics.requests, 6)
+        (sent,) = [r for r in on_topic if b"r-ahead" in r.value]
+        assert all(abs(r.timestamp - read_by) < 60_000 for r in on_topic), "a producer's timestamp was kept"
         items = {
             item["request"]["request_id"]: item
-            for item in (json.loads(r.value) for r in await w.records(w.topics.work("realtime"), 2))
+            for item in (json.loads(r.value) for r in await w.records(w.topics.work("realtime"), 3))
         }
         # INPROCESS_ENV gives every class 60 s; from the hour ahead it would be 3,660 s
         assert items["r-ahead"]["created_at_ms"] == sent.timestamp + 1_000

@@ -456,7 +456,7 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
 
         await ensure_risk_topics(replay_settings)
     else:
-        await ensure_topics(replay_settings)
+        await ensure_topics(replay_settings, broker_time=False)  # the copies keep their timestamps
 
     out_topic = own_t.risk_decisions if risk else own_t.replies
     collector = Collector(s, out_topic, event_key if risk else request_key)

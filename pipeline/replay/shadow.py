@@ -116,7 +116,7 @@ class Shadow:
 
     async def run(self) -> dict[str, Any]:
         opts, s = self.opts, self.s
-        await ensure_topics(self.candidate)
+        await ensure_topics(self.candidate, broker_time=False)  # the copies keep their timestamps
         await self.collector.start()
         self.worker = start_worker(self.env, self.out_dir / "worker.log", "all", s.replay_nice)
         tasks: list[asyncio.Task[Any]] = []
