@@ -12,6 +12,7 @@ a client makes up) and wait for its metadata on one without. Pure: no Kafka impo
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections import OrderedDict
@@ -68,6 +69,8 @@ FOUND_TTL_MS = 60_000
 #: how long a topic found missing is believed to be (a client that creates its reply topic just
 #: after naming it is refused this long), ms
 MISSING_TTL_MS = 1_000
+#: longest the intake waits for the broker's answer (a broker that is restarting may not answer)
+PROBE_TIMEOUT_S = 2.0
 #: names remembered at most (least recently asked about forgotten first): a client making up a new
 #: name per request grows nothing past this
 MAX_NAMES = 10_000
@@ -76,8 +79,9 @@ MAX_NAMES = 10_000
 class KnownTopics:
     """Whether reply topics exist, as the broker answered ``probe`` (a metadata request that never
     creates the topic), each answer remembered for a while: :data:`FOUND_TTL_MS` when found,
-    :data:`MISSING_TTL_MS` when missing. ``probe`` raising (the broker did not answer) counts as
-    found and is not remembered: the reply is then sent as before, and it is asked again next time."""
+    :data:`MISSING_TTL_MS` when missing. ``probe`` raising or taking longer than
+    :data:`PROBE_TIMEOUT_S` (the broker did not answer) counts as found and is not remembered: the
+    reply is then sent as before, and it is asked again next time."""
 
     def __init__(
         self,
@@ -86,10 +90,12 @@ class KnownTopics:
         found_ttl_ms: float = FOUND_TTL_MS,
         missing_ttl_ms: float = MISSING_TTL_MS,
         max_names: int = MAX_NAMES,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
         clock_ms: Callable[[], float] = lambda: time.monotonic() * 1000.0,
     ) -> None:
         self.probe = probe
         self.found_ttl_ms, self.missing_ttl_ms, self.max_names = found_ttl_ms, missing_ttl_ms, max_names
+        self.probe_timeout_s = probe_timeout_s
         self.clock_ms = clock_ms
         self._answers: OrderedDict[str, tuple[bool, float]] = OrderedDict()
         #: metadata requests made, and those that failed (for /status and the tests)
@@ -107,8 +113,8 @@ class KnownTopics:
             return known[0]
         self.probes += 1
         try:
-            found = await self.probe(name)
-        except Exception:
+            found = await asyncio.wait_for(self.probe(name), self.probe_timeout_s)
+        except Exception:  # TimeoutError included
             self.probe_errors += 1
             return True
         self._answers[name] = (found, self.clock_ms())

@@ -111,12 +111,14 @@ class Broker:
     """What a metadata probe would answer: the topics that exist; counts the questions."""
 
     def __init__(self, *topics: str) -> None:
-        self.topics, self.asked, self.down = set(topics), 0, False
+        self.topics, self.asked, self.down, self.silent = set(topics), 0, False, False
 
     async def probe(self, name: str) -> bool:
         self.asked += 1
         if self.down:
             raise ConnectionError("broker down")
+        if self.silent:
+            await asyncio.sleep(3600)
         return name in self.topics
 
 
@@ -161,5 +163,11 @@ def test_known_topics_is_bounded_and_counts_an_unanswered_question_as_found() ->
         assert known.probe_errors == 1 and len(known) == 100
         broker.down = False
         assert not await known.exists("surge.replies.later") and broker.asked == 1_002
+        # a broker that does not answer at all holds the intake at most the probe timeout
+        broker.silent, known.probe_timeout_s = True, 0.05
+        assert await asyncio.wait_for(known.exists("surge.replies.silent"), 1.0)
+        asked = broker.asked
+        assert await known.exists("surge.replies.silent")  # not remembered: asked again
+        assert known.probe_errors == 3 and broker.asked == asked + 1
 
     asyncio.run(main())
