@@ -304,6 +304,15 @@ def test_topic_scripts_create_the_design_topics() -> None:
     for created in (_created_topics(script), _created_topics(job["args"][0])):
         assert sorted(created) == sorted(DESIGN_TOPICS)
     assert job["image"] == "apache/kafka:4.1.1"
+    # the request topic is stamped by the broker, as surge's own ensure_topics creates it
+    from pipeline.admin import topic_config
+    from pipeline.settings import Settings
+
+    wanted = topic_config(Settings.load(), "surge.requests", set())
+    assert wanted == {"message.timestamp.type": "LogAppendTime"}
+    for text in (script, job["args"][0]):
+        (line,) = [ln for ln in text.splitlines() if ln.strip().startswith("create requests ")]
+        assert "--config message.timestamp.type=LogAppendTime" in line
 
 
 # --- compose ----------------------------------------------------------------------------------

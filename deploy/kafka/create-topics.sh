@@ -26,7 +26,7 @@ create() {  # create NAME [--config k=v ...]
 }
 
 # retention: requests and work 1 day, replies 1 day, dead letters 14 days, risk 7 days
-create requests          --config retention.ms=86400000
+create requests          --config retention.ms=86400000 --config message.timestamp.type=LogAppendTime
 create work.realtime     --config retention.ms=86400000
 create work.interactive  --config retention.ms=86400000
 create work.batch        --config retention.ms=86400000
