@@ -261,7 +261,7 @@ class Inference:
             rt.acker.ack_after([ticket], [await rt.deadletter(event, "invalid_work_item", exc.message)])
             return
         req = work.request
-        recorded = rt.recorded(req.tenant, req.user_id, req.request_id)
+        recorded = rt.recorded(req.tenant, req.user_id, req.request_id, work.reply_to)
         if recorded is not None:
             again = await rt.resend(
                 recorded, work.reply_to, tenant=req.tenant, user_id=req.user_id, request_id=req.request_id
@@ -269,7 +269,7 @@ class Inference:
             rt.acker.ack_after([ticket], [again])
             return
         pending = self._pending(stream, event, ticket, work)
-        key = reply_key(req.tenant, req.user_id, req.request_id)
+        key = reply_key(req.tenant, req.user_id, req.request_id, work.reply_to)
         first = self._inflight.get(key)
         if first is not None:  # the same request read again while its first copy is in flight
             first.twins.append(pending)
@@ -366,7 +366,7 @@ class Inference:
 
     def _answered(self, pending: Pending) -> None:
         req = pending.work.request
-        key = reply_key(req.tenant, req.user_id, req.request_id)
+        key = reply_key(req.tenant, req.user_id, req.request_id, pending.work.reply_to)
         if self._inflight.get(key) is pending:
             del self._inflight[key]
 
@@ -522,7 +522,7 @@ class Inference:
             work = None
         if work is not None:
             req = work.request
-            self._inflight.pop(reply_key(req.tenant, req.user_id, req.request_id), None)
+            self._inflight.pop(reply_key(req.tenant, req.user_id, req.request_id, work.reply_to), None)
             futs.append(
                 await rt.error_reply(
                     request_id=req.request_id,

@@ -89,7 +89,7 @@ class Intake:
         except InvalidRequestError as exc:
             rt.acker.ack_after([ticket], await reject(rt, event, exc.code, exc.message, exc.message))
             return
-        recorded = rt.recorded(req.tenant, req.user_id, req.request_id)
+        recorded = rt.recorded(req.tenant, req.user_id, req.request_id, reply_to)
         if recorded is not None:
             futures.append(
                 await rt.resend(

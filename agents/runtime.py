@@ -142,7 +142,8 @@ class Runtime:
         are the same on every read anyway.
         """
         data = encode(reply)
-        key = reply_key(tenant, reply.user_id, reply.request_id)
+        topic = reply_to or self.topics.replies
+        key = reply_key(tenant, reply.user_id, reply.request_id, topic)
         if record and self.book is not None:
             data = await self._record(key, data, event)
         priority = reply.priority or "interactive"
@@ -152,7 +153,7 @@ class Runtime:
             self.metrics.request_latency.labels(priority=priority).observe(
                 max(0, now_ms() - created_at_ms) / 1000
             )
-        return await self._send_recorded(key, reply_to or self.topics.replies, reply.user_id, data)
+        return await self._send_recorded(key, topic, reply.user_id, data)
 
     async def _send_recorded(self, key: str, topic: str, user_id: str, data: bytes) -> Awaitable[Any]:
         """Send a reply once its record in the book is on the broker, after every reply published
@@ -221,11 +222,12 @@ class Runtime:
         log.error("reply of %s sent without being recorded", key)
         return data
 
-    def recorded(self, tenant: str, user_id: str, request_id: str) -> bytes | None:
-        """The reply already recorded for a request (it was answered before a crash), or None."""
+    def recorded(self, tenant: str, user_id: str, request_id: str, reply_to: str) -> bytes | None:
+        """The reply already recorded for a request to ``reply_to`` (it was answered before a
+        crash), or None."""
         if self.book is None:
             return None
-        return self.book.get(reply_key(tenant, user_id, request_id))
+        return self.book.get(reply_key(tenant, user_id, request_id, reply_to))
 
     async def resend(
         self, data: bytes, reply_to: str | None, *, tenant: str, user_id: str, request_id: str
@@ -233,8 +235,8 @@ class Runtime:
         """Send a recorded reply again, byte for byte (once its record is on the broker, when this
         worker wrote it a moment ago)."""
         self.metrics.replies_repeated.inc()
-        key = reply_key(tenant, user_id, request_id)
-        return await self._send_recorded(key, reply_to or self.topics.replies, user_id, data)
+        topic = reply_to or self.topics.replies
+        return await self._send_recorded(reply_key(tenant, user_id, request_id, topic), topic, user_id, data)
 
     async def error_reply(
         self,

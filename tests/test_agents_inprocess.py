@@ -28,6 +28,7 @@ from agents.runtime import Runtime
 from pipeline.client import SurgeClient
 from pipeline.compat import forget_topic_metadata, refresh_metadata
 from pipeline.devtools.broker import EmbeddedKafka, free_port
+from pipeline.keys import reply_key
 from pipeline.records import DeadLetter, InferenceReply, now_ms
 from pipeline.terms import PRIORITIES
 from pipeline.topics import TopicNames
@@ -346,6 +347,32 @@ async def test_a_redelivered_request_gets_the_recorded_reply_byte_for_byte(
         assert w.metric("surge_batch_size_count") == 1
 
 
+async def test_a_recorded_reply_is_never_re_sent_to_another_reply_topic(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    """Whoever can write a request naming another client's tenant, user and request_id must not get
+    that client's recorded answer re-sent to a reply topic of their own: the reply book keys replies
+    by the reply topic too, so such a request is a new one (answered for itself)."""
+    async with inprocess(kafka, tmp_path, reply_suffixes=("team-a", "mallory")) as w:
+        team = await w.client_of(f"{w.topics.replies}.team-a")
+        mallory = await w.client_of(f"{w.topics.replies}.mallory")
+        ids = {"tenant": "acme", "priority": "batch"}
+        secret = request("v1", "alice", "my balance is 4,200 EUR", reply_to=team.reply_topic, **ids)
+        (first,) = await asyncio.wait_for(asyncio.gather(await team.submit(secret)), REPLY_TIMEOUT_S)
+        probe = request("v1", "alice", "what did alice ask?", reply_to=mallory.reply_topic, **ids)
+        (stolen,) = await asyncio.wait_for(asyncio.gather(await mallory.submit(probe)), REPLY_TIMEOUT_S)
+        again = await team.submit(secret)  # a real repeat: the recorded reply, byte for byte
+        await team.producer.flush()
+        (repeat,) = await asyncio.wait_for(asyncio.gather(again), REPLY_TIMEOUT_S)
+        await w.settled()
+
+        assert first.answer == "my balance is 4,200 EUR" and repeat == first
+        assert stolen.answer == "what did alice ask?", "another client's recorded answer was re-sent"
+        for r in await w.records(mallory.reply_topic, 1):
+            assert b"4,200" not in r.value
+        assert w.metric("surge_replies_repeated_total") == 1
+
+
 def hold_reply_records(
     w: Running, monkeypatch: pytest.MonkeyPatch, which: Callable[[str], bool]
 ) -> asyncio.Event:
@@ -405,8 +432,8 @@ async def test_a_reply_is_sent_only_once_its_reply_book_record_is_on_the_broker(
             InferenceReply.model_validate_json(r.value).request_id: r.value
             for r in await w.records(w.topics.replies, 3)
         }
-        for rid in ("r-fresh", "r-again"):
-            (entry,) = [v for k, v in recorded.items() if k.endswith(rid)]
+        for user, rid in (("carol", "r-fresh"), ("dave", "r-again")):
+            entry = recorded[reply_key("default", user, rid, w.topics.replies)]
             assert entry["reply"].encode() == sent[rid], f"{rid}: the reply sent is not the one recorded"
 
 
@@ -466,7 +493,9 @@ async def test_a_record_whose_acknowledgement_never_comes_is_sent_again(
         assert [r.request_id for r in replies] == ["r-stuck", "r-behind"]
         topic = f"{w.deployment.settings.app_id}-replybook-changelog"
         keys = [json.loads(r.key) for r in await w.records(topic, 3)]
-        assert any(k.endswith("r-stuck") for k in keys), "the reply went out without its record"
+        assert reply_key("default", "fay", "r-stuck", w.topics.replies) in keys, (
+            "the reply went out without its record"
+        )
         never.set()  # the held first acknowledgement: let its task end
 
 
@@ -499,7 +528,11 @@ async def test_a_record_is_sent_again_while_the_producer_lacks_the_changelogs_me
         (reply,) = await asyncio.wait_for(w.replies(lost), 30)
         assert reply.request_id == "r-lost" and reply.status == "ok"
         assert not first_time[0], "the first record was not held"
-        writes = [r.partition for r in await w.records(topic, 3) if json.loads(r.key).endswith("r-lost")]
+        writes = [
+            r.partition
+            for r in await w.records(topic, 3)
+            if json.loads(r.key) == reply_key("default", "gil", "r-lost", w.topics.replies)
+        ]
         assert len(writes) >= 1 and len(set(writes)) == 1, writes
         never.set()
 

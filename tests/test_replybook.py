@@ -17,7 +17,7 @@ from pipeline.topics import TopicNames
 def test_first_reply_wins_and_repeats_are_identical() -> None:
     now = [1_000.0]
     book = ReplyBook({}, ttl_ms=60_000, clock_ms=lambda: now[0])
-    key = reply_key("acme", "u1", "r1")
+    key = reply_key("acme", "u1", "r1", "surge.replies")
     assert book.get(key) is None
     assert book.record(key, b'{"answer":"A"}') == b'{"answer":"A"}'
     # a second worker (or a redelivery) that computed something else sends the recorded one
@@ -27,15 +27,19 @@ def test_first_reply_wins_and_repeats_are_identical() -> None:
     assert book.get(key) is None  # expired: forgotten
 
 
-def test_reply_keys_never_collide_across_tenants_or_users() -> None:
+def test_reply_keys_never_collide_across_tenants_users_or_reply_topics() -> None:
     keys = {
-        reply_key("a", "u", "1"),
-        reply_key("b", "u", "1"),
-        reply_key("a", "v", "1"),
-        reply_key("a|1:u", "", "1"),
-        reply_key("a", "u|1:1", ""),
+        reply_key("a", "u", "1", "t"),
+        reply_key("b", "u", "1", "t"),
+        reply_key("a", "v", "1", "t"),
+        reply_key("a|1:u", "", "1", "t"),
+        reply_key("a", "u|1:1", "", "t"),
+        # the same request to another reply topic: a recorded reply never goes to a topic it was
+        # not recorded for
+        reply_key("a", "u", "1", "t2"),
+        reply_key("a", "u", "1|1:t", ""),
     }
-    assert len(keys) == 5
+    assert len(keys) == 7
     assert source_key("t", 1, 2) != source_key("t", 12, 2)
 
 
