@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.protocol.metadata import MetadataRequest
 
 if TYPE_CHECKING:  # faust is imported where it is used: the gateway and clients never load it
     from faust.types import EventT, ProducerT
@@ -58,8 +59,6 @@ async def topic_exists(producer: ProducerT, topic: str) -> bool:
     whole cluster's metadata per question. Private: ``AIOKafkaClient.send`` with a
     ``MetadataRequest`` built here, on the client of Faust's producer.
     """
-    from aiokafka.protocol.metadata import MetadataRequest
-
     client = kafka_producer(producer).client
     node = client.get_random_node()
     if node is None:

@@ -98,7 +98,7 @@ class KnownTopics:
         self.probe_timeout_s = probe_timeout_s
         self.clock_ms = clock_ms
         self._answers: OrderedDict[str, tuple[bool, float]] = OrderedDict()
-        #: metadata requests made, and those that failed (for /status and the tests)
+        #: metadata requests made, and those that failed or went unanswered
         self.probes = self.probe_errors = 0
 
     def __len__(self) -> int:
