@@ -28,6 +28,7 @@ import faust
 from faust.types import TP, EventT
 
 from agents.offset_oracle import OffsetOracle
+from agents.reply_order import task_is_cancelling
 from pipeline.compat import commit_offsets
 from pipeline.offsets import LedgerError, PartitionLedger, encode_done
 
@@ -246,6 +247,20 @@ class Acker:
             return None
         return Ticket(msg.tp, ledger, msg.offset)
 
+    def describe(self) -> dict[str, dict[str, int | None]]:
+        """For ``/status``: each partition with records in flight, where its release stands, the
+        oldest record not finished and the last one read (where a stuck record waits)."""
+        return {
+            f"{tp.topic}[{tp.partition}]": {
+                "in_flight": ledger.in_flight,
+                "next_release": ledger.next_release,
+                "oldest_unfinished": ledger.oldest_unfinished(),
+                "last_read": ledger.last_read,
+            }
+            for tp, ledger in self._ledgers.items()
+            if ledger.in_flight
+        }
+
     def pending(self) -> int:
         """Records read and not yet finished (nor given back), over every partition."""
         return sum(ledger.in_flight for ledger in self._ledgers.values())
@@ -271,7 +286,11 @@ class Acker:
         try:
             for fut in futures:  # awaited in turn: no task per send
                 await fut
-        except Exception as exc:
+        except (Exception, asyncio.CancelledError) as exc:
+            # a send cancelled by someone else is a failed one; returning here instead would leave
+            # the records unacked for good and their partitions' commits stuck behind them
+            if isinstance(exc, asyncio.CancelledError) and task_is_cancelling():
+                raise
             # Runtime.send already retried; an output that cannot be written would leave a gap that
             # blocks every later commit on its partition. Stop the worker instead: its partitions
             # move, and the records are read again by the next owner.

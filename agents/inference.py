@@ -189,6 +189,8 @@ class Inference:
             "batches": self.batcher.batches,
             "degradation_level": self.controller.level,
             "unacked_records": self.rt.acker.pending(),
+            "unacked_by_partition": self.rt.acker.describe(),
+            "replies_waiting_for_their_record": self.rt.replies_in_order.waiting,
             "given_back_records": self.rt.acker.given_back,
             "acked_again_without_work": self.rt.acker.done_again,
             "work_bound": self.work_bound(),

@@ -11,9 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger("surge.replies")
+
+#: how often one reply's wait or send is tried again after a future it awaited was cancelled by
+#: something other than this task; then it fails like a send that failed (its records are not acked)
+CANCELLED_ATTEMPTS = 3
 
 #: waits until the record of a reply key is on the broker (sending it again when its send failed)
 Durable = Callable[[str, Awaitable[Any]], Awaitable[None]]
@@ -55,6 +62,7 @@ class ReplySequencer:
         return _acknowledged(sent)
 
     async def _drain(self) -> None:
+        cancelled = 0  # times the head's wait or send was cancelled from outside this task
         while self._queue:
             head = self._queue[0]
             try:
@@ -62,16 +70,48 @@ class ReplySequencer:
                     await self._durable(head.key, head.record_ack)
                 delivery = await head.send()
             except asyncio.CancelledError:
-                for q in self._queue:
-                    q.sent.cancel()
-                self._queue.clear()
-                raise
+                if task_is_cancelling():  # this task is being stopped: so is every reply still queued
+                    for q in self._queue:
+                        q.sent.cancel()
+                    self._queue.clear()
+                    raise
+                # A future the head awaited was cancelled by someone else. Taken for this task's
+                # own cancellation, it used to empty the queue silently: those replies were never
+                # sent and their records never acked (docs/architecture.md, "Guarantees").
+                cancelled += 1
+                log.warning(
+                    "the reply to %s: a wait was cancelled from outside (attempt %d of %d, %d "
+                    "replies queued)",
+                    head.key,
+                    cancelled,
+                    CANCELLED_ATTEMPTS,
+                    len(self._queue),
+                    exc_info=True,
+                )
+                if cancelled < CANCELLED_ATTEMPTS:
+                    await asyncio.sleep(0.05 * cancelled)
+                    continue
+                self._fail_head(head, RuntimeError(f"the reply to {head.key}: cancelled {cancelled} times"))
+                cancelled = 0
+                continue
             except Exception as exc:  # the caller's ack_after stops the worker: nothing is acked
-                self._queue.popleft()
-                head.sent.set_exception(exc)
+                self._fail_head(head, exc)
+                cancelled = 0
                 continue
             self._queue.popleft()
             head.sent.set_result(delivery)
+            cancelled = 0
+
+    def _fail_head(self, head: _Queued, exc: BaseException) -> None:
+        self._queue.popleft()
+        head.sent.set_exception(exc)
+
+
+def task_is_cancelling() -> bool:
+    """Whether the running task has been asked to stop (as opposed to a future it awaited having
+    been cancelled by someone else, which raises the same CancelledError in it)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 async def _acknowledged(sent: asyncio.Future[Awaitable[Any]]) -> Any:

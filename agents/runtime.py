@@ -23,7 +23,7 @@ from faust.types import EventT
 from agents.acks import Acker
 from agents.durable_table import DurableTable
 from agents.offset_oracle import OffsetOracle
-from agents.reply_order import ReplySequencer
+from agents.reply_order import ReplySequencer, task_is_cancelling
 from pipeline.compat import as_current_event, producer_partitions_for, topic_exists
 from pipeline.exceptions import InvalidRequestError
 from pipeline.keys import reply_key
@@ -176,8 +176,13 @@ class Runtime:
             try:
                 await asyncio.wait_for(asyncio.shield(ack), RECORD_ACK_TIMEOUT_S)
                 return
-            except Exception as exc:
+            except (Exception, asyncio.CancelledError) as exc:
+                # a cancelled acknowledgement (not this task's own stop) is a failed send: sent again
+                if isinstance(exc, asyncio.CancelledError) and task_is_cancelling():
+                    raise
                 if attempt == SEND_ATTEMPTS:
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise RuntimeError(f"the record of {key} was cancelled {attempt} times") from exc
                     raise
                 if isinstance(exc, TimeoutError):
                     exc = TimeoutError(f"no acknowledgement after {RECORD_ACK_TIMEOUT_S:g} s")

@@ -59,3 +59,16 @@ async def test_a_commit_the_broker_never_answers_does_not_hold_a_drain(
     monkeypatch.setattr(acks, "COMMIT_TIMEOUT_S", 0.2)
     acker, _ = _acker_with_a_hole()
     assert await asyncio.wait_for(acker.commit(), 5) is False
+
+
+def test_status_shows_where_an_unfinished_record_holds_its_partition() -> None:
+    """``/status`` names each partition with records in flight, the oldest unfinished offset (what
+    a stuck record is) and the last one read; partitions with nothing in flight are left out."""
+    acker, _ = _acker_with_a_hole()
+    idle: PartitionLedger[None] = PartitionLedger(0)
+    idle.read(0, None)
+    idle.finish(0)
+    acker._ledgers[TP("work.batch", 0)] = idle
+    assert acker.describe() == {
+        "work.batch[3]": {"in_flight": 1, "next_release": 12, "oldest_unfinished": 12, "last_read": 13}
+    }

@@ -142,8 +142,52 @@ class Deployment:
         raise AssertionError(
             f"{len(pending)} of {len(futures)} requests unanswered after {timeout_s:g} s: "
             f"{missing[:10]}{' ...' if len(missing) > 10 else ''}; {len(found)} of them have a reply on "
-            f"{self.topics.replies} that the client did not read ({found[:10]})\n{logs}"
+            f"{self.topics.replies} that the client did not read ({found[:10]})\n"
+            f"{await self.where_records_wait()}\n{logs}"
         )
+
+    async def where_records_wait(self) -> str:
+        """For a failure message: each live worker's ``/status`` (queues, unacked records) and, per
+        partition of the request and work topics, the group's committed offset against the end, so
+        an unanswered request shows whether it waits in Kafka, in a worker, or was never written."""
+        lines = []
+        for w in self.workers:
+            try:
+                status = json.dumps(await asyncio.to_thread(w.status), default=str)
+            except Exception as exc:  # a dead or stalled worker is what the message is about
+                status = f"no status: {exc!r}"
+            lines.append(f"--- {w.name} /status: {status[:3000]}")
+        try:
+            lines.append(f"--- committed/end per partition: {await self._lag()}")
+        except Exception as exc:
+            lines.append(f"--- no offsets: {exc!r}")
+        return "\n".join(lines)
+
+    async def _lag(self) -> dict[str, str]:
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        from pipeline.compat import refresh_metadata
+
+        t = self.topics
+        topics = [t.requests, *(t.work(p) for p in ("realtime", "interactive", "batch", "offline"))]
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap, group_id=self.env["SURGE_APP_ID"], enable_auto_commit=False
+        )
+        await consumer.start()
+        try:
+            await refresh_metadata(consumer)
+            tps = [
+                TopicPartition(x, p) for x in topics for p in sorted(consumer.partitions_for_topic(x) or ())
+            ]
+            ends = await asyncio.wait_for(consumer.end_offsets(tps), 10)
+            out = {}
+            for tp in tps:
+                committed = await asyncio.wait_for(consumer.committed(tp), 10)
+                if ends[tp] or committed:
+                    out[f"{tp.topic}[{tp.partition}]"] = f"{committed}/{ends[tp]}"
+            return out
+        finally:
+            await consumer.stop()
 
     def metrics(self, worker: int = 0) -> Samples:
         """A worker's /metrics, parsed (the first worker's by default)."""

@@ -1,0 +1,114 @@
+"""The reply sequencer (agents/reply_order.py): replies leave in order, each after its record, and a
+future cancelled by someone else never makes queued replies vanish (docs/architecture.md, "Guarantees")."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from agents.acks import Acker
+from agents.reply_order import ReplySequencer
+
+
+async def _durable(key: str, ack: Awaitable[Any]) -> None:
+    await asyncio.shield(ack)
+
+
+def _sender(sent: list[str], key: str) -> Any:
+    async def send() -> Awaitable[Any]:
+        sent.append(key)
+        done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        done.set_result(key)
+        return done
+
+    return send
+
+
+async def test_replies_leave_in_order_each_after_its_record() -> None:
+    seq, sent = ReplySequencer(_durable), []
+    loop = asyncio.get_running_loop()
+    record_a, record_b = loop.create_future(), loop.create_future()
+    acks = [
+        await seq.submit(k, r, _sender(sent, k)) for k, r in (("a", record_a), ("b", record_b), ("c", None))
+    ]
+    await asyncio.sleep(0.01)
+    assert sent == [] and seq.waiting == 3
+    record_b.set_result(None)
+    await asyncio.sleep(0.01)
+    assert sent == [], "b waits for a, whose record is not on the broker yet"
+    record_a.set_result(None)
+    assert await asyncio.wait_for(asyncio.gather(*acks), 2) == ["a", "b", "c"]
+    assert sent == ["a", "b", "c"]
+
+
+async def test_a_record_acknowledgement_cancelled_by_someone_else_loses_no_reply() -> None:
+    """Such a CancelledError used to be taken for the drain task's own stop: every queued reply was
+    dropped without a log line and its records never acked (a worker kept answering others while
+    those requests waited for ever). Now the head is tried again, then failed like a failed send
+    (its records stay unacked and the worker stops, so the next owner answers them), and every
+    reply behind it is sent."""
+    seq, sent = ReplySequencer(_durable), []
+    loop = asyncio.get_running_loop()
+    record_a = loop.create_future()
+    ack_a = await seq.submit("a", record_a, _sender(sent, "a"))
+    ack_b = await seq.submit("b", loop.create_future(), _sender(sent, "b"))
+    ack_b_record = seq._queue[1].record_ack
+    assert isinstance(ack_b_record, asyncio.Future)
+    ack_b_record.set_result(None)
+    record_a.cancel()  # e.g. someone awaiting it without a shield timed out
+    with pytest.raises(RuntimeError, match="cancelled"):
+        await asyncio.wait_for(ack_a, 5)
+    assert await asyncio.wait_for(ack_b, 5) == "b"
+    assert sent == ["b"]
+
+
+async def test_a_send_cancelled_once_from_outside_is_sent_again() -> None:
+    seq, sent = ReplySequencer(_durable), []
+    loop = asyncio.get_running_loop()
+    tries = {"a": 0}
+
+    async def flaky() -> Awaitable[Any]:
+        tries["a"] += 1
+        if tries["a"] == 1:
+            blocked: asyncio.Future[None] = loop.create_future()
+            loop.call_soon(blocked.cancel)
+            await blocked  # raises CancelledError in the drain task, which nobody cancelled
+        return await _sender(sent, "a")()
+
+    record = loop.create_future()
+    acks = [await seq.submit("a", record, flaky), await seq.submit("b", None, _sender(sent, "b"))]
+    record.set_result(None)
+    assert await asyncio.wait_for(asyncio.gather(*acks), 5) == ["a", "b"]
+    assert sent == ["a", "b"] and tries["a"] == 2
+
+
+async def test_stopping_the_drain_task_still_cancels_what_is_queued() -> None:
+    seq = ReplySequencer(_durable)
+    ack = await seq.submit("a", asyncio.get_running_loop().create_future(), _sender([], "a"))
+    await asyncio.sleep(0.01)
+    assert seq._task is not None
+    seq._task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(ack, 2)
+    assert seq.waiting == 0
+
+
+async def test_an_ack_wait_whose_future_is_cancelled_stops_the_worker_instead_of_hanging() -> None:
+    """Records whose reply future was cancelled by someone else are never finished: the Acker
+    treats that as a failed send (the worker stops; the next owner reads them again) rather than
+    leaving them unacked for good, with the partition's commits stuck behind them."""
+    crashed: list[BaseException] = []
+
+    async def crash(exc: BaseException) -> None:
+        crashed.append(exc)
+
+    acker = Acker(app=SimpleNamespace(consumer=None, crash=crash))  # type: ignore[arg-type]
+    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    acker.ack_after([], [fut])
+    fut.cancel()
+    await asyncio.sleep(0.05)
+    assert len(crashed) == 1 and isinstance(crashed[0], asyncio.CancelledError)
