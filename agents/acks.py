@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -166,15 +167,17 @@ class Acker:
         generation's fetch stopped, while Faust discards what that generation had fetched and not
         yet handed over: those records would never be read.
         """
+        t0 = time.perf_counter()
         starts: dict[TP, int] = {}
-        for tp in tps:
-            start = await self._start_of(tp)
-            if start is not None:
-                starts[tp] = start
-                self._drop_done_before(tp, start)
+        for tp, start in (await self._starts_of(list(tps))).items():
+            starts[tp] = start
+            self._drop_done_before(tp, start)
         if starts:
             await self._seek(starts, "to their starts", 2 * ORACLE_TIMEOUT_S)
         self._starts.update(starts)
+        log.info(
+            "%d partitions sought to their starts in %.0f ms", len(starts), 1000 * (time.perf_counter() - t0)
+        )
         return starts
 
     def resume_points(self, tps: Iterable[TP]) -> dict[TP, int]:
@@ -217,20 +220,31 @@ class Acker:
             log.warning("could not seek %d partitions %s (%r)", len(points), why, exc)
 
     async def _start_of(self, tp: TP) -> int | None:
-        """Where this generation reads ``tp`` from; what the committing worker had finished past it
-        (the commit's metadata) joins :attr:`_done_before`."""
-        if self.oracle is None:
-            return None
+        """Where this generation reads ``tp`` from (see :meth:`_starts_of`)."""
+        return (await self._starts_of([tp])).get(tp)
+
+    async def _starts_of(self, tps: list[TP]) -> dict[TP, int]:
+        """Where this generation reads each of ``tps`` from, asked of the broker at once; what the
+        committing worker had finished past it (the commit's metadata) joins :attr:`_done_before`.
+        Partitions the broker could not answer for are left out."""
+        if self.oracle is None or not tps:
+            return {}
         try:
-            start, done = await asyncio.wait_for(
-                self.oracle.start_and_done(tp.topic, tp.partition), ORACLE_TIMEOUT_S
+            found = await asyncio.wait_for(
+                self.oracle.starts_and_done([(tp.topic, tp.partition) for tp in tps]), ORACLE_TIMEOUT_S
             )
         except Exception as exc:  # the broker will be asked again at the next rebalance
-            log.warning("could not read where %s starts (%r): trusting its first record", tp, exc)
-            return None
-        if done:
-            self._done_before[tp] = self._done_before.get(tp, set()) | done
-        return start
+            log.warning(
+                "could not read where %d partitions start (%r): trusting their first records", len(tps), exc
+            )
+            return {}
+        starts: dict[TP, int] = {}
+        for tp in tps:
+            start, done = found[(tp.topic, tp.partition)]
+            if done:
+                self._done_before[tp] = self._done_before.get(tp, set()) | done
+            starts[tp] = start
+        return starts
 
     def _drop_done_before(self, tp: TP, start: int) -> None:
         done = self._done_before.get(tp)

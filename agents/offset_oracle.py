@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from pipeline.compat import committed_with_metadata
+from pipeline.compat import committed_with_metadata_many, refresh_metadata
 from pipeline.exceptions import BrokerError
 from pipeline.kafka_security import client_options
 from pipeline.offsets import decode_done
@@ -55,6 +56,10 @@ class OffsetOracle:
             group, probe = self._consumer(self.settings.app_id), self._consumer(None)
             await group.start()
             await probe.start()
+            # a consumer starts knowing no topic: its first ListOffsets would fail as stale, back off
+            # and retry (0.5 s at each worker start); the metadata fetched now answers it at once
+            await refresh_metadata(group)
+            await refresh_metadata(probe)
             self._group, self._probe = group, probe
         return self._group, self._probe
 
@@ -66,13 +71,33 @@ class OffsetOracle:
         """Where this group resumes ``topic[partition]`` (committed, else the log start), and the
         offsets after it that the committing worker had finished already (the commit's metadata,
         :func:`pipeline.offsets.decode_done`)."""
+        return (await self.starts_and_done([(topic, partition)]))[(topic, partition)]
+
+    async def starts_and_done(
+        self, partitions: Iterable[tuple[str, int]]
+    ) -> dict[tuple[str, int], tuple[int, set[int]]]:
+        """:meth:`start_and_done` of many partitions in two requests (one for the committed offsets,
+        one for the log starts of those without one), not two per partition: asked at every
+        assignment for every source partition, before the worker reads again."""
         async with self._lock:
             group, _ = await self._started()
-            tp = TopicPartition(topic, partition)
-            committed, metadata = await committed_with_metadata(group, tp)
-            if committed is not None:
-                return committed, decode_done(metadata, committed)
-            return int((await group.beginning_offsets([tp]))[tp]), set()
+            tps = [TopicPartition(topic, partition) for topic, partition in partitions]
+            if not tps:
+                return {}
+            committed = await committed_with_metadata_many(group, tps)
+            out: dict[tuple[str, int], tuple[int, set[int]]] = {}
+            missing = []
+            for tp in tps:
+                offset, metadata = committed[tp]
+                if offset is None:
+                    missing.append(tp)
+                else:
+                    out[(tp.topic, tp.partition)] = (offset, decode_done(metadata, offset))
+            if missing:
+                starts = await group.beginning_offsets(missing)
+                for tp in missing:
+                    out[(tp.topic, tp.partition)] = (int(starts[tp]), set())
+            return out
 
     async def first_at_or_after(self, topic: str, partition: int, offset: int) -> int | None:
         """The first offset the log holds at or after ``offset`` (None: none up to its end)."""

@@ -17,7 +17,7 @@ import faust
 from faust.auth import SASLCredentials, SSLCredentials
 from faust.types.auth import CredentialsT
 
-from pipeline.compat import leave_group_on_close_as_static_member, set_fetch_max_wait
+from pipeline.compat import leave_group_on_close_as_static_member, prompt_table_manager, set_fetch_max_wait
 from pipeline.kafka_security import ssl_context
 from pipeline.settings import Settings
 
@@ -124,5 +124,7 @@ def create_app(settings: Settings) -> faust.App:
         # rather than up to 2.5 s (docs/architecture.md, "Readiness and failover")
         broker_heartbeat_interval=min(1.0, settings.session_timeout_s / 10),
         consumer_max_fetch_size=4 * 1024 * 1024,
+        # Faust's own manager sleeps 1 s before registering the tables (see prompt_table_manager)
+        TableManager=prompt_table_manager(),
         **options,
     )

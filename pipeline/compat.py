@@ -200,11 +200,23 @@ async def committed_with_metadata(consumer: Any, tp: Any) -> tuple[int | None, s
     """The group's committed offset of ``tp`` and the metadata committed with it ((None, "") when
     nothing was committed). aiokafka's ``committed()`` drops the metadata. Private:
     ``aiokafka.AIOKafkaConsumer._coordinator.fetch_committed_offsets``."""
-    found: Mapping[Any, Any] = await consumer._coordinator.fetch_committed_offsets([tp])
-    entry = found.get(tp)
-    if entry is None or entry.offset is None or entry.offset < 0:
-        return None, ""
-    return int(entry.offset), str(entry.metadata or "")
+    return (await committed_with_metadata_many(consumer, [tp]))[tp]
+
+
+async def committed_with_metadata_many(
+    consumer: Any, tps: Iterable[Any]
+) -> dict[Any, tuple[int | None, str]]:
+    """:func:`committed_with_metadata` of every partition in ``tps``, in one OffsetFetch request."""
+    wanted = list(tps)
+    found: Mapping[Any, Any] = await consumer._coordinator.fetch_committed_offsets(wanted)
+    out: dict[Any, tuple[int | None, str]] = {}
+    for tp in wanted:
+        entry = found.get(tp)
+        if entry is None or entry.offset is None or entry.offset < 0:
+            out[tp] = (None, "")
+        else:
+            out[tp] = (int(entry.offset), str(entry.metadata or ""))
+    return out
 
 
 def scan_partition(table: Any, partition: int, after: bytes | None, limit: int) -> list[tuple[bytes, bytes]]:
@@ -274,6 +286,28 @@ def before_flow_resume(app: Any, callback: Any) -> None:
         original()
 
     flow.resume = resume
+
+
+def prompt_table_manager() -> type:
+    """Faust's ``TableManager`` without the fixed second it sleeps when it starts.
+
+    Why: ``TableManager.on_start`` sleeps 1.0 s before it registers the tables and starts their
+    recovery, so that tables declared after the app started still make it in. Every surge table is
+    declared before its worker starts (a table added later still raises "Too late to add tables"),
+    so the sleep only made every worker start, and every restart after a crash, a second later
+    (docs/architecture.md, "Readiness and failover"). Passed to ``faust.App(TableManager=...)``, the
+    setting Faust offers for its own subclasses. Private: ``TableManager._update_channels``, what
+    ``on_start`` runs after the sleep.
+    """
+    from faust.tables import TableManager
+
+    class PromptTableManager(TableManager):
+        async def on_start(self) -> None:
+            if not self.should_stop:
+                await self._update_channels()
+                await self.recovery.start()
+
+    return PromptTableManager
 
 
 def leave_group_on_close_as_static_member() -> None:

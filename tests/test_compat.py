@@ -12,6 +12,7 @@ import inspect
 import uuid
 from contextvars import ContextVar
 from importlib.metadata import version
+from pathlib import Path
 
 import faust
 import faust.streams
@@ -20,6 +21,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.client import AIOKafkaClient
 from aiokafka.consumer.group_coordinator import GroupCoordinator
+from faust.tables import TableManager
 from faust.transport.consumer import ThreadDelegateConsumer
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
@@ -57,6 +59,11 @@ def test_the_private_attributes_exist() -> None:
     # committed_with_metadata: aiokafka's committed() drops the metadata its coordinator fetched
     assert "self._coordinator.fetch_committed_offsets(" in inspect.getsource(AIOKafkaConsumer.committed)
     assert inspect.iscoroutinefunction(GroupCoordinator.fetch_committed_offsets)
+    # prompt_table_manager: Faust's on_start is the fixed sleep, then what the override runs
+    on_start = inspect.getsource(TableManager.on_start)
+    assert "await self.sleep(1.0)" in on_start
+    assert on_start.index("await self._update_channels()") < on_start.index("await self.recovery.start()")
+    assert inspect.iscoroutinefunction(TableManager._update_channels)
     # the Acker seeks with seek_wait (run on the consumer's own thread, waits for the position)
     assert "call_thread(self._seek_wait" in inspect.getsource(faust_aiokafka.AIOKafkaConsumerThread.seek_wait)
 
@@ -250,3 +257,14 @@ async def test_a_static_member_leaves_the_group_when_it_closes(kafka: EmbeddedKa
         assert took < 10, f"the survivor got the partitions {took:.1f} s after the static member closed"
     finally:
         await b.stop()
+
+
+def test_surge_apps_register_their_tables_without_faust_s_one_second_sleep(tmp_path: Path) -> None:
+    from pipeline.app import create_app
+    from pipeline.settings import Settings
+
+    app = create_app(Settings(data_dir=tmp_path))
+    manager = app.tables
+    assert isinstance(manager, TableManager), "still Faust's manager, recovery included"
+    assert type(manager).on_start is not TableManager.on_start
+    assert "sleep" not in inspect.getsource(type(manager).on_start)

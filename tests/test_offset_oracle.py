@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic, RecordsToDelete
 from aiokafka.structs import OffsetAndMetadata
 
 from agents.offset_oracle import OffsetOracle
@@ -71,6 +71,40 @@ async def test_start_is_the_committed_offset_else_the_log_start(kafka: EmbeddedK
         await committer.commit({TopicPartition(topic, 0): OffsetAndMetadata(1, encode_done({2, 4}, 1))})
         await committer.stop()
         assert await oracle.start_and_done(topic, 0) == (1, {2, 4})
+    finally:
+        await oracle.close()
+
+
+async def test_starts_of_many_partitions_come_in_one_question_and_match_each_alone(
+    kafka: EmbeddedKafka,
+) -> None:
+    # asked at every assignment for every source partition: committed (with what was done past it),
+    # nothing committed (the log start), and a log whose start moved (records deleted)
+    name = f"oracle-{uuid.uuid4().hex[:8]}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap)
+    await admin.start()
+    await admin.create_topics([NewTopic(name, num_partitions=3, replication_factor=1)])
+    producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap)
+    await producer.start()
+    for p in range(3):
+        for i in range(4):
+            await producer.send_and_wait(name, b"x%d" % i, partition=p)
+    await producer.stop()
+    await admin.delete_records({TopicPartition(name, 2): RecordsToDelete(3)})
+    await admin.close()
+    group = f"g-{uuid.uuid4().hex[:6]}"
+    committer = AIOKafkaConsumer(bootstrap_servers=kafka.bootstrap, group_id=group, enable_auto_commit=False)
+    await committer.start()
+    committer.assign([TopicPartition(name, 0)])
+    await committer.commit({TopicPartition(name, 0): OffsetAndMetadata(1, encode_done({2}, 1))})
+    await committer.stop()
+    oracle = OffsetOracle(Settings(broker=f"kafka://{kafka.bootstrap}", app_id=group))
+    try:
+        wanted = [(name, 0), (name, 1), (name, 2)]
+        together = await oracle.starts_and_done(wanted)
+        assert together == {(name, 0): (1, {2}), (name, 1): (0, set()), (name, 2): (3, set())}
+        assert together == {tp: await oracle.start_and_done(*tp) for tp in wanted}
+        assert await oracle.starts_and_done([]) == {}
     finally:
         await oracle.close()
 
