@@ -67,6 +67,8 @@ class Acker:
         self._holes: dict[tuple[TP, int], float] = {}  # (partition, offset) -> when first seen
         self._commit_lock = asyncio.Lock()  # one commit at a time: a later point never lands first
         self._tasks: set[asyncio.Task[None]] = set()
+        #: ack_after tasks still waiting for the broker to acknowledge their sends -> when they began
+        self._sends: dict[asyncio.Task[None], float] = {}
         self._idle = asyncio.Event()
         self._idle.set()
         #: per partition, offsets finished here but not committed when it was revoked (their outputs
@@ -294,7 +296,23 @@ class Acker:
         """Finish ``tickets`` once every future has resolved; called right after the sends."""
         task = asyncio.get_running_loop().create_task(self._after(tickets, list(futures)))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._sends[task] = time.monotonic()
+        task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._sends.pop(task, None)
+
+    def awaiting_broker(self) -> dict[str, float | int | None]:
+        """For ``/status``: groups of records whose outputs are sent and not yet acknowledged by the
+        broker, and how long the oldest has waited (ms). Records unacked with nothing here wait
+        for work; records here wait for the broker (bounded by producer_request_timeout_ms and the
+        sends' retries)."""
+        oldest = min(self._sends.values(), default=None)
+        return {
+            "groups": len(self._sends),
+            "oldest_ms": None if oldest is None else round((time.monotonic() - oldest) * 1000),
+        }
 
     async def _after(self, tickets: list[Ticket], futures: list[Awaitable[Any]]) -> None:
         try:

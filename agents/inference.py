@@ -190,6 +190,7 @@ class Inference:
             "degradation_level": self.controller.level,
             "unacked_records": self.rt.acker.pending(),
             "unacked_by_partition": self.rt.acker.describe(),
+            "sends_awaiting_broker": self.rt.acker.awaiting_broker(),
             "replies_waiting_for_their_record": self.rt.replies_in_order.waiting,
             "given_back_records": self.rt.acker.given_back,
             "acked_again_without_work": self.rt.acker.done_again,

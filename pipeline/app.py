@@ -17,7 +17,12 @@ import faust
 from faust.auth import SASLCredentials, SSLCredentials
 from faust.types.auth import CredentialsT
 
-from pipeline.compat import leave_group_on_close_as_static_member, prompt_table_manager, set_fetch_max_wait
+from pipeline.compat import (
+    bound_produce_request_wait,
+    leave_group_on_close_as_static_member,
+    prompt_table_manager,
+    set_fetch_max_wait,
+)
 from pipeline.kafka_security import ssl_context
 from pipeline.settings import Settings
 
@@ -72,6 +77,9 @@ def create_app(settings: Settings) -> faust.App:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     # Faust's worker consumer would otherwise wait up to 1.5 s per fetch (see set_fetch_max_wait)
     set_fetch_max_wait(settings.fetch_max_wait_ms)
+    # a produce request the broker never answers would hold every later record for Faust's 20 minutes
+    # (see bound_produce_request_wait; docs/architecture.md, "Guarantees")
+    bound_produce_request_wait(settings.producer_request_timeout_ms)
     # the settings that are there only sometimes, and the web views; a dict[str, Any] because
     # faust.App takes them as ``**options: Any`` (typed dicts would be matched to its typed parameters)
     options: dict[str, Any] = dict(WEB_VIEWS_OFF)

@@ -267,6 +267,38 @@ def set_fetch_max_wait(max_wait_ms: int) -> None:
     thread_cls._create_worker_consumer = create
 
 
+def bound_produce_request_wait(timeout_ms: int) -> None:
+    """Make the worker's producer give up on a produce request the broker has not answered within
+    ``timeout_ms``: it closes the connection and sends the request's batches again on a new one.
+
+    Why: aiokafka takes one number, ``request_timeout_ms``, for three things: how long a request
+    waits for its answer, how old a batch may get before it fails, and how long ``send`` waits for
+    room in a full batch. Faust sets it to ``producer_request_timeout``, 20 minutes, so one
+    request the broker never answered (lost with a half-open connection) held the worker's replies,
+    and every record after them (one produce request per broker is in flight at a time), for 20
+    minutes, their records unacked. Lowering Faust's setting instead expires the batches and fails
+    full-batch sends after that time, and Faust's producer buffer (the tables' changelog writes)
+    crashes the worker on such a failure. Here only the wait for an answer is bounded; a batch sent
+    again is the same batch, not a second copy. Called once, before the worker starts. Private:
+    ``faust.transport.drivers.aiokafka.Producer._new_producer`` and
+    ``aiokafka.AIOKafkaClient._request_timeout_ms`` (read when a connection is made).
+    """
+    from faust.transport.drivers import aiokafka as driver
+
+    producer_cls: Any = driver.Producer
+    original = getattr(producer_cls, "_surge_original_new_producer", None)
+    if original is None:
+        original = producer_cls._new_producer
+        producer_cls._surge_original_new_producer = original
+
+    def new_producer(self: Any, transactional_id: str | None = None) -> AIOKafkaProducer:
+        producer = original(self, transactional_id=transactional_id)
+        producer.client._request_timeout_ms = timeout_ms
+        return producer
+
+    producer_cls._new_producer = new_producer
+
+
 def before_flow_resume(app: Any, callback: Any) -> None:
     """Call ``callback()`` each time Faust resumes its flow control, just before it empties the
     stream buffers.

@@ -64,6 +64,15 @@ class Settings(BaseSettings):
     commit_interval_ms: int = Field(
         500, ge=50, le=60_000, description="how often acked offsets are committed"
     )
+    producer_request_timeout_ms: int = Field(
+        30_000,
+        ge=1_000,
+        le=600_000,
+        description="longest the worker's producer waits for the broker to answer one produce request "
+        "before it closes the connection and sends the request's batches again on a new one (with "
+        "Faust's 20 minutes, one request the broker never answered held the worker's replies, and "
+        "every record after them, that long)",
+    )
     fetch_max_wait_ms: int = Field(
         50,
         ge=1,

@@ -268,3 +268,19 @@ def test_surge_apps_register_their_tables_without_faust_s_one_second_sleep(tmp_p
     assert isinstance(manager, TableManager), "still Faust's manager, recovery included"
     assert type(manager).on_start is not TableManager.on_start
     assert "sleep" not in inspect.getsource(type(manager).on_start)
+
+
+async def test_surge_producers_wait_for_an_answer_only_as_long_as_asked(tmp_path: Path) -> None:
+    from pipeline.app import create_app
+    from pipeline.settings import Settings
+
+    app = create_app(Settings(data_dir=tmp_path, producer_request_timeout_ms=4321))
+    producer = app.producer._new_producer()
+    try:
+        # what a connection waits for an answer: read when the client makes one
+        assert producer.client._request_timeout_ms == 4321
+        assert "request_timeout_ms=self._request_timeout_ms" in inspect.getsource(AIOKafkaClient._get_conn)
+        # a batch keeps Faust's expiry: one sent again after a timeout is not failed for its age
+        assert producer._request_timeout_ms == int(app.conf.producer_request_timeout * 1000) > 4321
+    finally:
+        create_app(Settings(data_dir=tmp_path))  # the next app in this process gets the default

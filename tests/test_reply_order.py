@@ -111,3 +111,25 @@ async def test_an_ack_wait_whose_future_is_cancelled_stops_the_worker_instead_of
     fut.cancel()
     await asyncio.sleep(0.05)
     assert len(crashed) == 1 and isinstance(crashed[0], asyncio.CancelledError)
+
+
+async def test_status_shows_sends_the_broker_has_not_acknowledged_and_the_oldest_wait() -> None:
+    """Unacked records whose outputs wait for the broker are told apart from records still being
+    worked on: /status counts the groups of sends not acknowledged and how long the oldest waited."""
+    acker = Acker(app=SimpleNamespace(consumer=None, crash=None))  # type: ignore[arg-type]
+    assert acker.awaiting_broker() == {"groups": 0, "oldest_ms": None}
+    loop = asyncio.get_running_loop()
+    first: asyncio.Future[None] = loop.create_future()
+    acker.ack_after([], [first])
+    await asyncio.sleep(0.2)
+    second: asyncio.Future[None] = loop.create_future()
+    acker.ack_after([], [second])
+    waiting = acker.awaiting_broker()
+    assert waiting["groups"] == 2 and 150 <= (waiting["oldest_ms"] or 0) < 2000, waiting
+    first.set_result(None)
+    await asyncio.sleep(0.05)
+    waiting = acker.awaiting_broker()
+    assert waiting["groups"] == 1 and (waiting["oldest_ms"] or 0) < 150, waiting
+    second.set_result(None)
+    await asyncio.sleep(0.05)
+    assert acker.awaiting_broker() == {"groups": 0, "oldest_ms": None}

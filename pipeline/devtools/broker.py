@@ -103,7 +103,10 @@ class EmbeddedKafka:
         heap_mb: int = 512,
         partitions: int = 8,
         host: str = "127.0.0.1",
+        advertised_port: int | None = None,
     ) -> None:
+        """``advertised_port``: the port clients are told to connect to after the bootstrap, when
+        not the broker's own (a :class:`pipeline.devtools.kafka_proxy.KafkaProxy` in front of it)."""
         self.data_dir = Path(data_dir).absolute()
         self.cache_dir = Path(cache_dir or Path.home() / ".cache" / "surge" / "kafka").absolute()
         self.version = version
@@ -111,6 +114,7 @@ class EmbeddedKafka:
         self.heap_mb = heap_mb
         self.partitions = partitions
         self.host = host
+        self.advertised_port = advertised_port
         self.process: subprocess.Popen[bytes] | None = None
         self.state: BrokerState | None = None
 
@@ -195,7 +199,7 @@ class EmbeddedKafka:
             "node.id": "1",
             "controller.quorum.voters": f"1@{self.host}:{controller_port}",
             "listeners": f"PLAINTEXT://{self.host}:{port},CONTROLLER://{self.host}:{controller_port}",
-            "advertised.listeners": f"PLAINTEXT://{self.host}:{port}",
+            "advertised.listeners": f"PLAINTEXT://{self.host}:{self.advertised_port or port}",
             "controller.listener.names": "CONTROLLER",
             "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
             "inter.broker.listener.name": "PLAINTEXT",
