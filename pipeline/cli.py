@@ -198,7 +198,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pipeline.devtools.bench import run_bench
 
     options = {"banking77_csv": args.data} if args.data else {}
-    return run_bench(args.scenario, quick=args.quick, json_path=args.json, plot_path=args.plot, **options)
+    return run_bench(
+        args.scenario,
+        quick=args.quick,
+        json_path=args.json,
+        plot_path=args.plot,
+        limit_qps=args.limit_qps,
+        **options,
+    )
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -279,6 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", default=None, help="PNG path (default beside --json or bench-<scenario>.png)")
     b.add_argument(
         "--data", default=None, help="merging, surge, failover: the banking77 train.csv (text,category)"
+    )
+    b.add_argument(
+        "--limit-qps",
+        type=float,
+        default=None,
+        help="surge, failover: use this model-alone limit L (questions/s) instead of measuring it, so "
+        "that runs compared side by side offer the same load",
     )
     b.set_defaults(fn=cmd_bench)
 

@@ -107,6 +107,34 @@ def test_bench_scenarios(scenario: str) -> None:
     assert parse("bench", scenario).quick is False
 
 
+def test_bench_limit_qps_fixes_l_for_the_load_scenarios_only() -> None:
+    from pipeline.devtools.bench import run_bench
+
+    assert parse("bench", "failover", "--limit-qps", "120").limit_qps == 120.0
+    assert parse("bench", "surge").limit_qps is None
+    # refused before anything starts: a scenario that offers no multiple of L, or no positive L
+    with pytest.raises(ValueError, match="applies to surge and failover"):
+        run_bench("merging", limit_qps=100.0)
+    with pytest.raises(ValueError, match="positive"):
+        run_bench("surge", limit_qps=0.0)
+
+
+def test_a_given_limit_is_offered_without_measuring_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.devtools.bench import surge
+    from pipeline.settings import Settings
+
+    def measured(*_: object) -> dict[str, float]:
+        raise AssertionError("L was measured although it was given")
+
+    monkeypatch.setattr(surge, "measure_limit", measured)
+    holdout = [(f"how do I close account number {i}", "close_account") for i in range(60)]
+    offered = surge.Offered.measure(
+        "t", (holdout, set()), Settings(), 2, lambda lim: 0.5 * lim, "offering", given_qps=120.0
+    )
+    assert offered.limit_rps == 120.0 and offered.rate == 60.0
+    assert offered.limit["given"] is True
+
+
 def test_gateway_port() -> None:
     args = parse("gateway", "--port", "8080")
     assert (args.port, args.fn) == (8080, cli.cmd_gateway)

@@ -31,6 +31,10 @@ SCENARIOS: tuple[str, ...] = (
 )
 
 
+#: the scenarios that offer load as a multiple of the model-alone limit L (``--limit-qps`` fixes L)
+LIMIT_SCENARIOS = ("surge", "failover")
+
+
 def run_bench(
     scenario: str,
     *,
@@ -38,6 +42,7 @@ def run_bench(
     json_path: str | Path | None = None,
     plot_path: str | Path | None = None,
     broker: EmbeddedKafka | None = None,
+    limit_qps: float | None = None,
     **options: Any,
 ) -> int:
     """Run one scenario; called by ``surge bench``. Returns the exit status (0 when it ran to the end,
@@ -50,6 +55,12 @@ def run_bench(
         raise ValueError(f"unknown benchmark scenario {scenario!r}; one of {', '.join(SCENARIOS)}")
     from pipeline.devtools.bench.common import BenchRun
 
+    if limit_qps is not None and scenario not in LIMIT_SCENARIOS:
+        raise ValueError(f"--limit-qps applies to {' and '.join(LIMIT_SCENARIOS)}, not {scenario}")
+    if limit_qps is not None and not limit_qps > 0:
+        raise ValueError(f"--limit-qps must be a positive number of questions/s, got {limit_qps}")
     module = importlib.import_module(f"pipeline.devtools.bench.{scenario}")
-    job = BenchRun(scenario, quick=quick, json_path=json_path, plot_path=plot_path, broker=broker)
+    job = BenchRun(
+        scenario, quick=quick, json_path=json_path, plot_path=plot_path, broker=broker, limit_qps=limit_qps
+    )
     return int(module.run(job, **options))

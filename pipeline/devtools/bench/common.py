@@ -82,6 +82,9 @@ class BenchRun:
     json_path: str | Path | None = None
     plot_path: str | Path | None = None
     broker: EmbeddedKafka | None = None
+    #: surge and failover: the model-alone limit L in questions/s to use instead of measuring it, so
+    #: that two runs (two settings, two commits) offer the same load; None: measured in the run
+    limit_qps: float | None = None
 
     @property
     def title(self) -> str:

@@ -661,6 +661,7 @@ def _run(
             lambda lim: LOAD * lim * plan.rate_scale,
             "offering",
             seed=13,
+            given_qps=job.limit_qps,
         )
         limit, rate = offered.limit_rps, offered.rate
         bootstrap_before = env.bootstrap

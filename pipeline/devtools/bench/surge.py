@@ -1398,12 +1398,17 @@ class Offered:
         rate_of: Callable[[float], float],
         what: str,
         seed: int = 9,
+        given_qps: float | None = None,
     ) -> Offered:
-        """Measure L on the held-out questions (``questions``: :func:`unseen_questions`), then build the
-        stream and the users for ``rate_of(L)``; prints L and that rate (``what``) under ``tag``."""
+        """Measure L on the held-out questions (``questions``: :func:`unseen_questions`), or take
+        ``given_qps`` (``surge bench --limit-qps``), then build the stream and the users for
+        ``rate_of(L)``; prints L and that rate (``what``) under ``tag``."""
         holdout, trained = questions
-        print(f"{tag}: measuring the model alone (L) ...", file=sys.stderr)
-        lim = measure_limit([t for t, _ in holdout], limit_batches)
+        if given_qps is None:
+            print(f"{tag}: measuring the model alone (L) ...", file=sys.stderr)
+            lim = measure_limit([t for t, _ in holdout], limit_batches)
+        else:
+            lim = {"questions_per_s": float(given_qps), "given": True}
         rate = rate_of(lim["questions_per_s"])
         stream = QuestionStream(holdout, seed=seed, tenants=tenants_for(rate, s), exclude=trained)
         pop = Population.for_rate(rate, s)
@@ -1424,7 +1429,13 @@ def run(job: BenchRun, banking77_csv: str | Path | None = None) -> int:
         s = d.settings()
         top = max(st.multiple for st in plan.steps)
         offered = Offered.measure(
-            "surge", questions, s, plan.limit_batches, lambda lim: top * lim * plan.rate_scale, "peak offered"
+            "surge",
+            questions,
+            s,
+            plan.limit_batches,
+            lambda lim: top * lim * plan.rate_scale,
+            "peak offered",
+            given_qps=job.limit_qps,
         )
         limit, stream, pop = offered.limit_rps, offered.stream, offered.pop
         deadlines = {p: s.deadline_ms(p) for p in PRIORITIES}
