@@ -109,14 +109,21 @@ def test_bench_scenarios(scenario: str) -> None:
 
 def test_bench_limit_qps_fixes_l_for_the_load_scenarios_only() -> None:
     from pipeline.devtools.bench import run_bench
+    from pipeline.devtools.bench.common import BenchError
 
     assert parse("bench", "failover", "--limit-qps", "120").limit_qps == 120.0
     assert parse("bench", "surge").limit_qps is None
     # refused before anything starts: a scenario that offers no multiple of L, or no positive L
-    with pytest.raises(ValueError, match="applies to surge and failover"):
+    with pytest.raises(BenchError, match="applies to surge and failover"):
         run_bench("merging", limit_qps=100.0)
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(BenchError, match="positive"):
         run_bench("surge", limit_qps=0.0)
+
+
+def test_a_wrong_limit_qps_is_one_line_and_exit_status_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "merging", "--limit-qps", "100"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "surge: BenchError: --limit-qps applies to surge and failover, not merging"
 
 
 def test_a_given_limit_is_offered_without_measuring_the_model(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -53,12 +53,13 @@ def run_bench(
     """
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown benchmark scenario {scenario!r}; one of {', '.join(SCENARIOS)}")
-    from pipeline.devtools.bench.common import BenchRun
+    from pipeline.devtools.bench.common import BenchError, BenchRun
 
-    if limit_qps is not None and scenario not in LIMIT_SCENARIOS:
-        raise ValueError(f"--limit-qps applies to {' and '.join(LIMIT_SCENARIOS)}, not {scenario}")
-    if limit_qps is not None and not limit_qps > 0:
-        raise ValueError(f"--limit-qps must be a positive number of questions/s, got {limit_qps}")
+    if limit_qps is not None:  # a user's flag: a typed error the CLI prints in one line
+        if scenario not in LIMIT_SCENARIOS:
+            raise BenchError(f"--limit-qps applies to {' and '.join(LIMIT_SCENARIOS)}, not {scenario}")
+        if not limit_qps > 0:
+            raise BenchError(f"--limit-qps must be a positive number of questions/s, got {limit_qps}")
     module = importlib.import_module(f"pipeline.devtools.bench.{scenario}")
     job = BenchRun(
         scenario, quick=quick, json_path=json_path, plot_path=plot_path, broker=broker, limit_qps=limit_qps
