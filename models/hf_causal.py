@@ -239,6 +239,17 @@ class HFCausalLM(ModelBackend):
         self.version = f"{self.name}@{_config_sha8(self.path)}"
         self.load_seconds = time.perf_counter() - started
 
+    @property
+    def device(self) -> torch.device | None:
+        """Where ``load()`` put the weights (their first layer's device with ``device_map``); None
+        before it."""
+        return self._device
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer ``load()`` read (None before it)."""
+        return self._tokenizer
+
     def peek_version(self) -> str:
         """``name@sha8`` as :meth:`load` will set it, from the files alone."""
         return f"{self.name}@{_config_sha8(self.path)}"
@@ -290,25 +301,35 @@ class HFCausalLM(ModelBackend):
         outputs: list[ModelOutput] = []
         for start in range(0, len(batch), self.max_batch_size):
             chunk = batch[start : start + self.max_batch_size]
+            oom: str | None = None
             try:
                 with self._lock:
                     outputs.extend(self._generate(chunk))
             except ModelError:
                 raise
             except Exception as exc:  # mapped to typed model errors below
-                if _is_oom(exc):
-                    self._free_cuda()
-                    raise ModelOutOfMemoryError(len(chunk), f"{type(exc).__name__}: {exc}") from exc
-                raise ModelError(
-                    f"generation failed on a batch of {len(chunk)} with model {self.version}: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
+                if not _is_oom(exc):
+                    raise ModelError(
+                        f"generation failed on a batch of {len(chunk)} with model {self.version}: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
+                oom = f"{type(exc).__name__}: {exc}"
+            if oom is not None:
+                # raised here, not inside the except block and not chained: the CUDA error's traceback
+                # holds the failed call's frames and their tensors (the KV cache of the whole batch),
+                # which would stay allocated while the caller retries the halves and make them fail too
+                self._free_cuda()
+                raise ModelOutOfMemoryError(len(chunk), oom)
         return outputs
 
     @staticmethod
     def _free_cuda() -> None:
+        """Collect what the failed call left (frames in reference cycles) and return cached blocks."""
+        import gc
+
         import torch
 
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import json
 import shutil
+import weakref
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from models.base import ChatMessage, ModelInput
-from models.exceptions import ModelError, ModelLoadError
+from models.base import ChatMessage, ModelInput, ModelOutput
+from models.exceptions import ModelError, ModelLoadError, ModelOutOfMemoryError
 from models.hf_causal import HFCausalLM
 from models.tiny import build_tiny_causal_lm
+from pipeline.isolation import RetryPolicy, run_isolated
 from tests.model_helpers import ask, one_torch_thread  # noqa: F401 - an autouse fixture
 
 
@@ -186,3 +190,45 @@ def test_intake_and_inference_key_an_hf_answer_alike(tiny_dir: Path) -> None:
     inference_key = cache_key(inp.text, scope_of(req, s.served_model, served.version))
     assert intake_key == inference_key
     assert str(tiny_dir) not in s.served_model  # a folder path would tie answers to where it is mounted
+
+
+class _Hog:
+    """Stands for the tensors (the batch's KV cache) a failed ``generate`` call had allocated."""
+
+
+def test_out_of_memory_frees_the_failed_calls_tensors_before_the_halves_run(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CUDA out-of-memory error's traceback holds the failed call's frames and their tensors. If the
+    backend's ModelOutOfMemoryError kept it (raised inside the except block, or chained), the batch's
+    KV cache would stay allocated while run_isolated tries the halves, and they would run out of memory
+    too (found on an H200: docs/architecture.md, "Models on a GPU")."""
+    model = HFCausalLM(tiny_dir, name="tiny", max_batch_size=8)
+    model.load()
+    real_generate = model._model.generate
+    hogs: list[weakref.ref[_Hog]] = []
+    sizes: list[int] = []
+
+    def generate(**kw: Any) -> Any:
+        n = int(kw["input_ids"].shape[0])
+        sizes.append(n)
+        if n > 1:
+            hog = _Hog()
+            hogs.append(weakref.ref(hog))
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {n} GiB")
+        return real_generate(**kw)
+
+    monkeypatch.setattr(model._model, "generate", generate)
+    alive_at_each_call: list[int] = []
+
+    def infer(batch: Sequence[ModelInput]) -> list[ModelOutput]:
+        alive_at_each_call.append(sum(ref() is not None for ref in hogs))
+        return model.infer(batch)
+
+    results = run_isolated([ask(p, max_tokens=3) for p in PROMPTS], infer, RetryPolicy(attempts=1))
+    assert sizes == [4, 2, 1, 1, 2, 1, 1]
+    assert not [r for r in results if isinstance(r, ModelError)]
+    assert alive_at_each_call == [0] * 7
+    with pytest.raises(ModelOutOfMemoryError) as info:
+        model.infer([ask(p, max_tokens=3) for p in PROMPTS[:2]])
+    assert info.value.batch_size == 2 and info.value.__cause__ is None and info.value.__context__ is None
