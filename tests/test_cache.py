@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -89,6 +91,17 @@ def test_put_then_get_exact_returns_the_entry() -> None:
     assert store["k1"] == entry.to_dict()
     assert cache.get_exact("missing") is None
     assert CachedAnswer.from_dict(entry.to_dict()) == entry
+
+
+def test_to_dict_holds_every_field_as_asdict_does_with_its_own_copy_of_the_vector() -> None:
+    clock = Clock()
+    for entry in (answer("v", clock=clock, vector=E1), answer("none", clock=clock)):
+        d = entry.to_dict()
+        assert d == dataclasses.asdict(entry)
+        if entry.vector is not None:
+            assert d["vector"] is not entry.vector
+    remembered = answer("r", clock=clock, vector=E2).remembered_as("another question", 0.91, SCOPE_A)
+    assert remembered is not None and remembered.to_dict() == dataclasses.asdict(remembered)
 
 
 def test_entries_expire_after_ttl_and_are_removed() -> None:
