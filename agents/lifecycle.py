@@ -266,6 +266,8 @@ def serve_pages(
             "assigned": len(app.consumer.assignment()),
             "assignments": life.assignments,
             "gc_frozen_objects": frozen_objects(),
+            # "uvloop" or "asyncio" (SURGE_EVENT_LOOP)
+            "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
         }
         body.update(describe())
         return view.json(body)

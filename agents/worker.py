@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
@@ -58,6 +59,11 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
     # the embedding and model threads give the GIL up at each native call and wait to take it back
     # while the event loop runs (docs/architecture.md, "Threads and the GIL")
     sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
+    if settings.event_loop == "uvloop":
+        # set before Faust and mode make their loops (the worker's and the consumer thread's)
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     if settings.role == "risk":
         from agents.risk import build_risk_app
 

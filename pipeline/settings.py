@@ -196,6 +196,11 @@ class Settings(BaseSettings):
         "(CPython's default is 5): shorter lets the embedding and model threads take it back sooner "
         "after each native call while the event loop runs Python",
     )
+    event_loop: Literal["asyncio", "uvloop"] = Field(
+        "uvloop",
+        description="the worker's event loop: uvloop's (libuv, in C: each record's futures, callbacks and "
+        "socket writes cost less Python) or asyncio's own",
+    )
     model_device_map: str | None = Field(None, description="HF device_map, e.g. auto")
     remote_base_url: str | None = Field(None, description="OpenAI-compatible endpoint (model=remote)")
     remote_model: str = Field("default", description="model name sent to the remote endpoint")

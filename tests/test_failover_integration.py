@@ -86,8 +86,11 @@ async def test_a_request_read_again_gets_the_recorded_reply(deployment) -> None:
     assert "surge_replies_repeated_total 2.0" in d.workers[0].metrics()
     # what was alive at start-up is out of the collector's reach: Faust's gc.collect() per table on
     # every rebalance no longer walks it with the event loop stopped (agents/lifecycle.py)
-    frozen = d.workers[0].status()["gc_frozen_objects"]
+    status = d.workers[0].status()
+    frozen = status["gc_frozen_objects"]
     assert isinstance(frozen, int) and frozen > 50_000, frozen
+    # a worker started with the defaults runs its event loop on uvloop (SURGE_EVENT_LOOP)
+    assert status["event_loop"] == "uvloop"
     # and every collection since is timed (surge_gc_pause_seconds)
     young = scrape(d.workers[0].metrics())[("surge_gc_pause_seconds_count", (("generation", "0"),))]
     assert young > 0, "no garbage collection was timed"

@@ -3,6 +3,7 @@ short GIL switch interval, one BLAS thread, and a ``/status`` page that does not
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import sys
 from pathlib import Path
@@ -25,6 +26,18 @@ def test_a_worker_shortens_the_gil_switch_interval(tmp_path: Path) -> None:
         assert sys.getswitchinterval() == pytest.approx(0.0005)
     finally:
         sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize(("choice", "policy"), [("uvloop", "uvloop"), ("asyncio", "asyncio")])
+def test_a_worker_sets_the_event_loop_it_is_told_to(tmp_path: Path, choice: str, policy: str) -> None:
+    before = asyncio.get_event_loop_policy()
+    try:
+        asyncio.set_event_loop_policy(None)
+        s = Settings.load(role="intake", model="echo", event_loop=choice, data_dir=str(tmp_path))
+        build_worker_app(s)
+        assert type(asyncio.get_event_loop_policy()).__module__.split(".")[0] == policy
+    finally:
+        asyncio.set_event_loop_policy(before)
 
 
 def test_numpys_blas_gets_one_thread() -> None:
