@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from pipeline.devtools import gpu_check
 
 
@@ -28,6 +30,18 @@ def test_the_smoke_run_passes_every_section_and_reports_what_it_checked(tmp_path
 
 def test_an_unknown_section_is_refused_with_exit_status_2(tmp_path: Path) -> None:
     assert gpu_check.main(["--sections", "env,warp", "--json", str(tmp_path / "x.json")]) == 2
+
+
+def test_a_section_without_the_one_it_builds_on_is_refused_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "x.json"
+    assert gpu_check.main(["--sections", "oom_split", "--json", str(out)]) == 2
+    assert "oom_split needs batching before it" in capsys.readouterr().err
+    assert gpu_check.main(["--sections", "int8,batching", "--json", str(out)]) == 2
+    assert gpu_check.main(["--sections", "env,faq", "--json", str(out)]) == 2
+    assert not out.exists()
+    assert gpu_check.missing_needs(["embedder", "faq", "batching", "oom_split", "int8"]) == []
 
 
 def test_the_questions_are_distinct_so_no_cache_or_merge_shortens_a_timing() -> None:

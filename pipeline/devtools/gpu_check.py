@@ -506,6 +506,17 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 SECTIONS = ["env", "nvml", "embedder", "faq", "causal", "batching", "oom_split", "int8"]
+#: sections that use what an earlier one loaded (its models, kept in the run's state)
+NEEDS = {"faq": "embedder", "oom_split": "batching", "int8": "batching"}
+
+
+def missing_needs(sections: list[str]) -> list[str]:
+    """Why ``sections`` cannot run in this order: each section whose prerequisite is not before it."""
+    return [
+        f"{name} needs {NEEDS[name]} before it"
+        for i, name in enumerate(sections)
+        if name in NEEDS and NEEDS[name] not in sections[:i]
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -524,6 +535,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         print(f"gpu_check: unknown sections {unknown}; choose from {SECTIONS}", file=sys.stderr)
+        return 2
+    unmet = missing_needs(sections)
+    if unmet:
+        print(f"gpu_check: {'; '.join(unmet)} (--sections runs them in the order given)", file=sys.stderr)
         return 2
     report = run(SMOKE if args.smoke else FULL, args.embedder or default_embedder_path(), sections)
     args.json.write_text(json.dumps(report, indent=2, default=str))
