@@ -54,16 +54,25 @@ def _json_global_table(app: faust.App, settings: Settings, name: str, **extra: A
     )
 
 
+def install_event_loop(settings: Settings) -> None:
+    """Make ``settings.event_loop`` the process's event loop policy; called once by ``surge worker``
+    before anything makes a loop (its topic set-up, then Faust and mode: the worker's loop and the
+    consumer thread's). Not part of :func:`build_worker_app`: a policy is process-wide, and a test or
+    tool that builds a worker inside its own running loop must not change the loop of everything
+    else it runs afterwards."""
+    if settings.event_loop == "uvloop":
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    else:
+        asyncio.set_event_loop_policy(None)
+
+
 def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
     """The app with everything ``settings.role`` asks for, ready for ``faust.Worker``."""
     # the embedding and model threads give the GIL up at each native call and wait to take it back
     # while the event loop runs (docs/architecture.md, "Threads and the GIL")
     sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
-    if settings.event_loop == "uvloop":
-        # set before Faust and mode make their loops (the worker's and the consumer thread's)
-        import uvloop
-
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     if settings.role == "risk":
         from agents.risk import build_risk_app
 

@@ -58,10 +58,11 @@ def cmd_kafka(args: argparse.Namespace) -> int:
 
 # ---- worker -------------------------------------------------------------------------------------
 def cmd_worker(args: argparse.Namespace) -> int:
-    from agents.worker import build_worker_app
+    from agents.worker import build_worker_app, install_event_loop
     from pipeline.admin import ensure_topics
 
     s = _settings(role=args.role, web_port=args.web_port)
+    install_event_loop(s)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     asyncio.run(ensure_topics(s))
     if s.role == "risk":

@@ -12,7 +12,7 @@ import pytest
 from threadpoolctl import threadpool_info
 
 from agents import lifecycle
-from agents.worker import build_worker_app
+from agents.worker import build_worker_app, install_event_loop
 from models.registry import apply_num_threads
 from pipeline.settings import Settings
 
@@ -34,8 +34,21 @@ def test_a_worker_sets_the_event_loop_it_is_told_to(tmp_path: Path, choice: str,
     try:
         asyncio.set_event_loop_policy(None)
         s = Settings.load(role="intake", model="echo", event_loop=choice, data_dir=str(tmp_path))
-        build_worker_app(s)
+        install_event_loop(s)
         assert type(asyncio.get_event_loop_policy()).__module__.split(".")[0] == policy
+    finally:
+        asyncio.set_event_loop_policy(before)
+
+
+def test_building_a_worker_leaves_the_processs_event_loop_policy_alone(tmp_path: Path) -> None:
+    """A test or tool that builds a worker inside its own loop keeps the policy it had: the policy is
+    process-wide, and ``surge worker`` sets it itself (install_event_loop)."""
+    before = asyncio.get_event_loop_policy()
+    try:
+        asyncio.set_event_loop_policy(None)
+        s = Settings.load(role="intake", model="echo", event_loop="uvloop", data_dir=str(tmp_path))
+        build_worker_app(s)
+        assert type(asyncio.get_event_loop_policy()).__module__.split(".")[0] == "asyncio"
     finally:
         asyncio.set_event_loop_policy(before)
 
