@@ -30,7 +30,7 @@ from faust.types import TP, EventT
 
 from agents.offset_oracle import OffsetOracle
 from agents.reply_order import task_is_cancelling
-from pipeline.compat import commit_offsets
+from pipeline.compat import commit_offsets, kafka_producer, producer_backlog, wake_producer
 from pipeline.offsets import LedgerError, PartitionLedger, encode_done
 
 log = logging.getLogger("surge.acks")
@@ -40,6 +40,22 @@ ORACLE_TIMEOUT_S = 5.0
 #: how long a commit may take before the Acker goes on without it (the next commit tries again; one
 #: that lands late at an older offset only means records read again, never lost)
 COMMIT_TIMEOUT_S = 5.0
+
+
+@dataclass(slots=True)
+class SendGroup:
+    """The sends of one :meth:`Acker.ack_after`: when they were handed to the producer, and
+    whether they were reported as stuck (:meth:`Acker.stuck_sends`)."""
+
+    started: float
+    futures: list[Awaitable[Any]]
+    reported: bool = False
+    #: index of the future being awaited (they are awaited in turn)
+    awaiting: int = 0
+
+    def pending(self) -> list[str]:
+        """The sends not yet acknowledged, as their reprs say (topic and key for surge's own)."""
+        return [repr(f) for f in self.futures[self.awaiting :]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +83,10 @@ class Acker:
         self._holes: dict[tuple[TP, int], float] = {}  # (partition, offset) -> when first seen
         self._commit_lock = asyncio.Lock()  # one commit at a time: a later point never lands first
         self._tasks: set[asyncio.Task[None]] = set()
-        #: ack_after tasks still waiting for the broker to acknowledge their sends -> when they began
-        self._sends: dict[asyncio.Task[None], float] = {}
+        #: ack_after tasks still waiting for the broker to acknowledge their sends
+        self._sends: dict[asyncio.Task[None], SendGroup] = {}
+        #: send groups reported as stuck (:meth:`stuck_sends`)
+        self.stuck_reported = 0
         self._idle = asyncio.Event()
         self._idle.set()
         #: per partition, offsets finished here but not committed when it was revoked (their outputs
@@ -294,9 +312,10 @@ class Acker:
 
     def ack_after(self, tickets: list[Ticket], futures: Iterable[Awaitable[Any]]) -> None:
         """Finish ``tickets`` once every future has resolved; called right after the sends."""
-        task = asyncio.get_running_loop().create_task(self._after(tickets, list(futures)))
+        futures = list(futures)
+        task = asyncio.get_running_loop().create_task(self._after(tickets, futures))
         self._tasks.add(task)
-        self._sends[task] = time.monotonic()
+        self._sends[task] = SendGroup(time.monotonic(), futures)
         task.add_done_callback(self._sent)
 
     def _sent(self, task: asyncio.Task[None]) -> None:
@@ -308,15 +327,57 @@ class Acker:
         broker, and how long the oldest has waited (ms). Records unacked with nothing here wait
         for work; records here wait for the broker (bounded by producer_request_timeout_ms and the
         sends' retries)."""
-        oldest = min(self._sends.values(), default=None)
+        oldest = min((group.started for group in self._sends.values()), default=None)
         return {
             "groups": len(self._sends),
             "oldest_ms": None if oldest is None else round((time.monotonic() - oldest) * 1000),
         }
 
-    async def _after(self, tickets: list[Ticket], futures: list[Awaitable[Any]]) -> None:
+    def stuck_sends(self, now: float, after_s: float) -> list[SendGroup]:
+        """Send groups that have waited more than ``after_s`` for the broker and were not reported
+        before; each is marked reported. Called on the commit timer with ``after_s`` past the
+        producer's request timeout: by then aiokafka has either delivered a record or failed it
+        (a request unanswered is cut off at that timeout), so a group still waiting is stuck
+        inside the producer (docs/architecture.md, "Guarantees")."""
+        stuck = [g for g in self._sends.values() if not g.reported and now - g.started > after_s]
+        for group in stuck:
+            group.reported = True
+        self.stuck_reported += len(stuck)
+        return stuck
+
+    def report_stuck_sends(self, now: float, after_s: float) -> int:
+        """Log each newly stuck send group (:meth:`stuck_sends`) with what the producer still holds,
+        and wake the producer's sender; returns how many groups were reported. A stuck send holds
+        its records unacked and every commit of their partitions behind them; the log says where
+        it stopped, and a sender that missed a wake-up sends it now."""
+        stuck = self.stuck_sends(now, after_s)
+        if not stuck:
+            return 0
         try:
-            for fut in futures:  # awaited in turn: no task per send
+            producer = kafka_producer(self.app.producer)
+            backlog: object = producer_backlog(producer)
+            woken = wake_producer(producer)
+        except Exception as exc:  # a report must never stop the commit timer
+            backlog, woken = f"unknown ({exc!r})", False
+        for group in stuck:
+            log.error(
+                "sends unacknowledged after %.0f s with no error from the producer (more than %.0f s: "
+                "past its request timeout): %s; the producer holds %s; its sender %s",
+                now - group.started,
+                after_s,
+                group.pending(),
+                backlog,
+                "woken" if woken else "was awake",
+            )
+        return len(stuck)
+
+    async def _after(self, tickets: list[Ticket], futures: list[Awaitable[Any]]) -> None:
+        task = asyncio.current_task()
+        try:
+            for i, fut in enumerate(futures):  # awaited in turn: no task per send
+                group = self._sends.get(task) if task is not None else None
+                if group is not None:
+                    group.awaiting = i
                 await fut
         except (Exception, asyncio.CancelledError) as exc:
             # a send cancelled by someone else is a failed one; returning here instead would leave

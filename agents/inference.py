@@ -191,6 +191,7 @@ class Inference:
             "unacked_records": self.rt.acker.pending(),
             "unacked_by_partition": self.rt.acker.describe(),
             "sends_awaiting_broker": self.rt.acker.awaiting_broker(),
+            "sends_reported_stuck": self.rt.acker.stuck_reported,
             "replies_waiting_for_their_record": self.rt.replies_in_order.waiting,
             "given_back_records": self.rt.acker.given_back,
             "acked_again_without_work": self.rt.acker.done_again,

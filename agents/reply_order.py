@@ -59,7 +59,7 @@ class ReplySequencer:
         self._queue.append(_Queued(key, record_ack, send, sent))
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._drain())
-        return _acknowledged(sent)
+        return _Acknowledged(key, sent)
 
     async def _drain(self) -> None:
         cancelled = 0  # times the head's wait or send was cancelled from outside this task
@@ -114,5 +114,22 @@ def task_is_cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-async def _acknowledged(sent: asyncio.Future[Awaitable[Any]]) -> Any:
-    return await (await sent)
+class _Acknowledged:
+    """A queued reply's acknowledgement: awaits its hand-over to the producer, then the broker's
+    ack (awaitable, no task); its repr names the reply, for a report of sends that wait too long."""
+
+    __slots__ = ("key", "sent")
+
+    def __init__(self, key: str, sent: asyncio.Future[Awaitable[Any]]) -> None:
+        self.key, self.sent = key, sent
+
+    def __await__(self) -> Any:
+        return self._wait().__await__()
+
+    async def _wait(self) -> Any:
+        return await (await self.sent)
+
+    def __repr__(self) -> str:
+        if not self.sent.done() or self.sent.cancelled() or self.sent.exception() is not None:
+            return f"reply {self.key} (queued)"
+        return f"reply {self.key}: {self.sent.result()!r}"

@@ -307,6 +307,10 @@ class _Delivery:
     def __await__(self) -> Any:
         return self._wait().__await__()
 
+    def __repr__(self) -> str:
+        state = "acked" if isinstance(self.fut, asyncio.Future) and self.fut.done() else "awaiting the broker"
+        return f"send to {self.topic} key={self.key!r} ({state})"
+
     async def _wait(self) -> Any:
         for attempt in range(1, SEND_ATTEMPTS + 1):
             try:

@@ -29,6 +29,10 @@ from pipeline.terms import PRIORITIES
 
 log = logging.getLogger("surge.worker")
 
+#: how long past the producer's request timeout a send may wait before it is reported as stuck
+#: (aiokafka answers a request, fails it or sends it again within that timeout plus its backoff)
+STUCK_MARGIN_S = 10.0
+
 
 def _json_kv(event: Any) -> tuple[str, Any]:
     """Key and value of a changelog event, decoded from JSON where they are still bytes."""
@@ -156,6 +160,9 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
         # the Acker commits what its ledgers released and checks for holes (agents/acks.py)
         await rt.acker.commit()
         await rt.acker.check_holes(time.monotonic())
+        rt.acker.report_stuck_sends(
+            time.monotonic(), settings.producer_request_timeout_ms / 1000 + STUCK_MARGIN_S
+        )
 
     @app.task
     async def warm_writes() -> None:

@@ -299,6 +299,55 @@ def bound_produce_request_wait(timeout_ms: int) -> None:
     producer_cls._new_producer = new_producer
 
 
+def producer_backlog(producer: AIOKafkaProducer) -> dict[str, Any]:
+    """What an aiokafka producer still holds, for a log line when a send waits too long: per
+    partition the batches not yet sent (their age in seconds, how often tried, the partition's
+    leader as the producer knows it), the batches sent and awaiting an answer, the brokers with a
+    request in flight and the partitions muted behind one.
+
+    Why: aiokafka says nothing about a record it has accepted and not delivered. Private:
+    ``MessageAccumulator._batches``/``_pending_batches``, ``MessageBatch._ctime``,
+    ``AIOKafkaProducer._message_accumulator``/``_sender``, ``Sender._in_flight``/``_muted_partitions``.
+    """
+    import time
+
+    acc: Any = producer._message_accumulator
+    sender: Any = producer._sender
+    now = time.monotonic()
+    queued = {
+        f"{tp.topic}[{tp.partition}]": {
+            "ages_s": [round(now - b._ctime, 1) for b in batches],
+            "tries": [b.retry_count for b in batches],
+            "leader": producer.client.cluster.leader_for_partition(tp),
+        }
+        for tp, batches in list(acc._batches.items())
+        if batches
+    }
+    return {
+        "queued": queued,
+        "sent_unanswered": sorted(f"{b.tp.topic}[{b.tp.partition}]" for b in acc._pending_batches),
+        "nodes_in_flight": sorted(sender._in_flight),
+        "muted": sorted(f"{tp.topic}[{tp.partition}]" for tp in sender._muted_partitions),
+        "sender_running": sender.sender_task is not None and not sender.sender_task.done(),
+    }
+
+
+def wake_producer(producer: AIOKafkaProducer) -> bool:
+    """Wake an aiokafka producer's sender, as a new batch does; False if it was awake already.
+
+    Why: the sender sleeps until a batch is created, a linger ends or a request returns; a record
+    added to a batch that already exists wakes nothing. When a send has waited past the request
+    timeout with no error, a wake-up makes the sender look at its batches again (harmless if it had
+    nothing to do). Private: ``MessageAccumulator._waiter_future``.
+    """
+    acc: Any = producer._message_accumulator
+    waiter = acc._waiter_future
+    if waiter.done():
+        return False
+    waiter.set_result(None)
+    return True
+
+
 def before_flow_resume(app: Any, callback: Any) -> None:
     """Call ``callback()`` each time Faust resumes its flow control, just before it empties the
     stream buffers.

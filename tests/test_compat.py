@@ -284,3 +284,24 @@ async def test_surge_producers_wait_for_an_answer_only_as_long_as_asked(tmp_path
         assert producer._request_timeout_ms == int(app.conf.producer_request_timeout * 1000) > 4321
     finally:
         create_app(Settings(data_dir=tmp_path))  # the next app in this process gets the default
+
+
+async def test_producer_backlog_and_wake_on_aiokafkas_own_producer() -> None:
+    """What a stuck send's report reads from the producer, and the wake-up, on a real (never started)
+    aiokafka producer: a batch queued for a partition with no known leader, and a sender asleep."""
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.structs import TopicPartition
+
+    producer = AIOKafkaProducer(bootstrap_servers="127.0.0.1:1")
+    acc = producer._message_accumulator
+    await acc.add_message(TopicPartition("replies", 1), b"u1", b"{}", timeout=1.0)
+    acc.drain_by_nodes(ignore_nodes=set())  # as the sender does before it sleeps: a fresh waiter
+    backlog = compat.producer_backlog(producer)
+    assert backlog["queued"]["replies[1]"]["leader"] is None
+    assert backlog["queued"]["replies[1]"]["tries"] == [0]
+    assert backlog["sent_unanswered"] == [] and backlog["nodes_in_flight"] == []
+    assert backlog["sender_running"] is False
+    assert not acc.waiter().done()
+    assert compat.wake_producer(producer) is True
+    assert acc.waiter().done()
+    assert compat.wake_producer(producer) is False

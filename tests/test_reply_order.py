@@ -4,6 +4,7 @@ future cancelled by someone else never makes queued replies vanish (docs/archite
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable
 from types import SimpleNamespace
 from typing import Any
@@ -133,3 +134,67 @@ async def test_status_shows_sends_the_broker_has_not_acknowledged_and_the_oldest
     second.set_result(None)
     await asyncio.sleep(0.05)
     assert acker.awaiting_broker() == {"groups": 0, "oldest_ms": None}
+
+
+class _Send:
+    """A send that the broker never acknowledges (a future that stays pending), named as surge's
+    own deliveries are in a report."""
+
+    def __init__(self, name: str, fut: asyncio.Future[None]) -> None:
+        self.name, self.fut = name, fut
+
+    def __await__(self) -> Any:
+        return self.fut.__await__()
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+async def test_a_send_waiting_past_the_bound_is_reported_once_naming_what_it_still_waits_for(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A send group still unacknowledged past the producer's request timeout is stuck inside the
+    producer (aiokafka would have failed or re-sent it): it is reported once, naming the sends not
+    yet acknowledged (not those already acked) and what the producer holds, the producer's sender is
+    woken, and /status counts it. (The producer helpers run on aiokafka's own classes in
+    tests/test_compat.py.)"""
+    from agents import acks
+
+    woken: list[object] = []
+    monkeypatch.setattr(acks, "kafka_producer", lambda p: p)
+    monkeypatch.setattr(acks, "producer_backlog", lambda p: {"queued": {"replies[1]": {"ages_s": [41.0]}}})
+    monkeypatch.setattr(acks, "wake_producer", lambda p: woken.append(p) or True)
+    producer = object()
+    acker = Acker(app=SimpleNamespace(consumer=None, crash=None, producer=producer))  # type: ignore[arg-type]
+    loop = asyncio.get_running_loop()
+    acked: asyncio.Future[None] = loop.create_future()
+    acked.set_result(None)
+    never: asyncio.Future[None] = loop.create_future()
+    acker.ack_after(
+        [], [_Send("send to replies key=b'u1'", acked), _Send("send to replies key=b'u2'", never)]
+    )
+    await asyncio.sleep(0.05)
+    t0 = time.monotonic()
+    assert acker.report_stuck_sends(t0, after_s=5.0) == 0  # not yet past the bound
+    assert woken == []
+    with caplog.at_level("ERROR", logger="surge.acks"):
+        assert acker.report_stuck_sends(t0 + 6.0, after_s=5.0) == 1
+        assert acker.report_stuck_sends(t0 + 60.0, after_s=5.0) == 0  # reported once
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "key=b'u2'" in line and "key=b'u1'" not in line, line
+    assert "replies[1]" in line and "woken" in line, line
+    assert woken == [producer]
+    assert acker.stuck_reported == 1 and acker.awaiting_broker()["groups"] == 1
+    never.set_result(None)
+    await asyncio.sleep(0.05)
+    assert acker.awaiting_broker() == {"groups": 0, "oldest_ms": None}
+
+
+async def test_a_queued_reply_names_itself_and_then_its_delivery() -> None:
+    seq = ReplySequencer(_durable)
+    record: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    ack = await seq.submit("t/u1/r-1/replies", record, _sender([], "t/u1/r-1/replies"))
+    assert repr(ack) == "reply t/u1/r-1/replies (queued)"
+    record.set_result(None)
+    assert await ack == "t/u1/r-1/replies"
+    assert repr(ack).startswith("reply t/u1/r-1/replies: <Future finished")
