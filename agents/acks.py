@@ -37,6 +37,16 @@ log = logging.getLogger("surge.acks")
 
 #: how long a question to the broker about offsets may take before the Acker goes on without it
 ORACLE_TIMEOUT_S = 5.0
+#: how long past the producer's request timeout a send may wait before it is reported as stuck
+#: (aiokafka answers a request, fails it or sends it again within that timeout plus its backoff)
+STUCK_MARGIN_S = 10.0
+
+
+def stuck_after_s(producer_request_timeout_ms: int) -> float:
+    """How long a send may wait for the broker before it is reported as stuck."""
+    return producer_request_timeout_ms / 1000 + STUCK_MARGIN_S
+
+
 #: how long a commit may take before the Acker goes on without it (the next commit tries again; one
 #: that lands late at an older offset only means records read again, never lost)
 COMMIT_TIMEOUT_S = 5.0
@@ -55,7 +65,44 @@ class SendGroup:
 
     def pending(self) -> list[str]:
         """The sends not yet acknowledged, as their reprs say (topic and key for surge's own)."""
-        return [repr(f) for f in self.futures[self.awaiting :]]
+        return [
+            repr(f) for f in self.futures[self.awaiting :] if not (isinstance(f, asyncio.Future) and f.done())
+        ]
+
+
+def newly_stuck(groups: Iterable[SendGroup], now: float, after_s: float) -> list[SendGroup]:
+    """The groups that have waited more than ``after_s`` and were not reported before, marked
+    reported."""
+    stuck = [g for g in groups if not g.reported and now - g.started > after_s]
+    for group in stuck:
+        group.reported = True
+    return stuck
+
+
+def report_stuck(app: faust.App, stuck: list[SendGroup], now: float, after_s: float) -> int:
+    """Log each stuck send group with what the producer still holds, and wake the producer's
+    sender; returns ``len(stuck)``. A stuck send holds its records unacked and everything behind
+    them; the log says where it stopped, and a sender that missed a wake-up sends it now
+    (docs/architecture.md, "Guarantees")."""
+    if not stuck:
+        return 0
+    try:
+        producer = kafka_producer(app.producer)
+        backlog: object = producer_backlog(producer)
+        woken = wake_producer(producer)
+    except Exception as exc:  # a report must never stop the timer that makes it
+        backlog, woken = f"unknown ({exc!r})", False
+    for group in stuck:
+        log.error(
+            "sends unacknowledged after %.0f s with no error from the producer (more than %.0f s: "
+            "past its request timeout): %s; the producer holds %s; its sender %s",
+            now - group.started,
+            after_s,
+            group.pending(),
+            backlog,
+            "woken" if woken else "was awake",
+        )
+    return len(stuck)
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,37 +386,14 @@ class Acker:
         producer's request timeout: by then aiokafka has either delivered a record or failed it
         (a request unanswered is cut off at that timeout), so a group still waiting is stuck
         inside the producer (docs/architecture.md, "Guarantees")."""
-        stuck = [g for g in self._sends.values() if not g.reported and now - g.started > after_s]
-        for group in stuck:
-            group.reported = True
+        stuck = newly_stuck(self._sends.values(), now, after_s)
         self.stuck_reported += len(stuck)
         return stuck
 
     def report_stuck_sends(self, now: float, after_s: float) -> int:
-        """Log each newly stuck send group (:meth:`stuck_sends`) with what the producer still holds,
-        and wake the producer's sender; returns how many groups were reported. A stuck send holds
-        its records unacked and every commit of their partitions behind them; the log says where
-        it stopped, and a sender that missed a wake-up sends it now."""
-        stuck = self.stuck_sends(now, after_s)
-        if not stuck:
-            return 0
-        try:
-            producer = kafka_producer(self.app.producer)
-            backlog: object = producer_backlog(producer)
-            woken = wake_producer(producer)
-        except Exception as exc:  # a report must never stop the commit timer
-            backlog, woken = f"unknown ({exc!r})", False
-        for group in stuck:
-            log.error(
-                "sends unacknowledged after %.0f s with no error from the producer (more than %.0f s: "
-                "past its request timeout): %s; the producer holds %s; its sender %s",
-                now - group.started,
-                after_s,
-                group.pending(),
-                backlog,
-                "woken" if woken else "was awake",
-            )
-        return len(stuck)
+        """Report each newly stuck send group (:meth:`stuck_sends`) and wake the producer
+        (:func:`report_stuck`); returns how many groups were reported."""
+        return report_stuck(self.app, self.stuck_sends(now, after_s), now, after_s)
 
     async def _after(self, tickets: list[Ticket], futures: list[Awaitable[Any]]) -> None:
         task = asyncio.current_task()

@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import faust
 from faust.types import TP, EventT, TableT
 
+from agents.acks import SendGroup, newly_stuck, report_stuck, stuck_after_s
 from agents.lifecycle import Lifecycle, on_partitions, serve_pages
 from agents.runtime import Runtime, event_context, unacked
 from pipeline.admin import ensure_topics
@@ -184,6 +186,10 @@ class RiskAgents:
             self.stages[kind] = Stage(kind, self.cfg, s.partitions, cache, self._loader(table, pending))
         self._counted = {k: (0, 0) for k in ENTITY_KINDS}
         self.decided = 0
+        #: settle tasks still waiting for the broker to acknowledge their batch's outputs
+        self.sending: dict[asyncio.Future[None], SendGroup] = {}
+        #: batches reported as stuck in the producer (report_stuck_sends)
+        self.stuck_reported = 0
 
     @staticmethod
     def _loader(table: TableT[str, bytes], pending: dict[str, bytes]) -> Callable[[str, Any], bytes | None]:
@@ -306,10 +312,24 @@ class RiskAgents:
                 await self._fail(kind, exc)
                 return
             prev = settling[-1] if settling else None
-            settling.append(asyncio.ensure_future(self._settle(kind, stream, events, futures, writes, prev)))
+            task = asyncio.ensure_future(self._settle(kind, stream, events, futures, writes, prev))
+            self.sending[task] = SendGroup(time.monotonic(), futures)
+            task.add_done_callback(self._settled)
+            settling.append(task)
             settling = [f for f in settling if not f.done()]
             if len(settling) >= MAX_SETTLING:
                 await settling[0]
+
+    def _settled(self, task: asyncio.Future[None]) -> None:
+        self.sending.pop(task, None)
+
+    def report_stuck_sends(self, now: float) -> int:
+        """Called on a timer: report batches whose outputs have waited past the producer's request
+        timeout, and wake the producer (agents/acks.report_stuck)."""
+        after_s = stuck_after_s(self.s.producer_request_timeout_ms)
+        reported = report_stuck(self.rt.app, newly_stuck(self.sending.values(), now, after_s), now, after_s)
+        self.stuck_reported += reported
+        return reported
 
     async def _fail(self, kind: str, exc: BaseException) -> None:
         # an output that cannot be written: stop the worker rather than ack what was not done
@@ -494,6 +514,7 @@ class RiskAgents:
             "rules": len(self.book.current),
             "model_version": self.model.version if self.model else None,
             "decided": self.decided,
+            "sends_reported_stuck": self.stuck_reported,
             "feature_cache_hit_share": round(hits / reads, 4) if reads else None,
             "feature_cache_entries": {k: len(c) for k, c in self.caches.items()},
         }
@@ -522,6 +543,10 @@ def register(rt: Runtime) -> RiskAgents:
     @app.task
     async def risk_rules() -> None:
         await risk.read_rules()
+
+    @app.timer(interval=1.0)
+    async def report_stuck_sends() -> None:
+        risk.report_stuck_sends(time.monotonic())
 
     async def clear_caches(_: set[TP]) -> None:
         risk.clear_caches()

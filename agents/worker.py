@@ -14,6 +14,7 @@ from faust.types import TP, TableT
 
 from agents import inference as inference_agent
 from agents import intake as intake_agent
+from agents.acks import stuck_after_s
 from agents.durable_table import DurableTable
 from agents.lifecycle import Lifecycle, on_partitions, serve_pages
 from agents.runtime import Runtime
@@ -28,10 +29,6 @@ from pipeline.settings import Settings
 from pipeline.terms import PRIORITIES
 
 log = logging.getLogger("surge.worker")
-
-#: how long past the producer's request timeout a send may wait before it is reported as stuck
-#: (aiokafka answers a request, fails it or sends it again within that timeout plus its backoff)
-STUCK_MARGIN_S = 10.0
 
 
 def _json_kv(event: Any) -> tuple[str, Any]:
@@ -160,9 +157,7 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
         # the Acker commits what its ledgers released and checks for holes (agents/acks.py)
         await rt.acker.commit()
         await rt.acker.check_holes(time.monotonic())
-        rt.acker.report_stuck_sends(
-            time.monotonic(), settings.producer_request_timeout_ms / 1000 + STUCK_MARGIN_S
-        )
+        rt.acker.report_stuck_sends(time.monotonic(), stuck_after_s(settings.producer_request_timeout_ms))
 
     @app.task
     async def warm_writes() -> None:

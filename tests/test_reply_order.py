@@ -198,3 +198,32 @@ async def test_a_queued_reply_names_itself_and_then_its_delivery() -> None:
     record.set_result(None)
     assert await ack == "t/u1/r-1/replies"
     assert repr(ack).startswith("reply t/u1/r-1/replies: <Future finished")
+
+
+def test_a_group_of_producer_futures_lists_only_those_not_yet_acknowledged(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The risk role's batches wait on aiokafka's futures themselves (agents/risk.py): a stuck batch
+    is reported once with the futures still pending, and a group within the bound is not."""
+    from agents import acks
+
+    monkeypatch.setattr(acks, "kafka_producer", lambda p: p)
+    monkeypatch.setattr(acks, "producer_backlog", lambda p: {"queued": {}})
+    monkeypatch.setattr(acks, "wake_producer", lambda p: False)
+    loop = asyncio.new_event_loop()
+    try:
+        acked, waiting = loop.create_future(), loop.create_future()
+        acked.set_result(None)
+        old = acks.SendGroup(started=100.0, futures=[acked, waiting])
+        young = acks.SendGroup(started=130.0, futures=[waiting])
+        assert acks.newly_stuck([old, young], now=141.0, after_s=40.0) == [old]
+        assert acks.newly_stuck([old, young], now=142.0, after_s=40.0) == []  # once
+        assert old.pending() == [repr(waiting)]
+        with caplog.at_level("ERROR", logger="surge.acks"):
+            app = SimpleNamespace(producer=object())
+            assert acks.report_stuck(app, [old], now=141.0, after_s=40.0) == 1  # type: ignore[arg-type]
+            assert acks.report_stuck(app, [], now=141.0, after_s=40.0) == 0  # type: ignore[arg-type]
+        [line] = [r.getMessage() for r in caplog.records]
+        assert "after 41 s" in line and "was awake" in line and "pending" in line, line
+    finally:
+        loop.close()
