@@ -239,12 +239,17 @@ async def test_sigkill_under_load_then_recovery_from_the_changelog(deployment: A
     d, w, c = await start(deployment)
     events = [as_event(e) for e in simulate(SimConfig(customers=60, days=1, seed=13, fraud_scale=20))][:900]
     events = disorder(events, share=0.05, late_share=0.01, grace_ms=5_000, seed=2)
+    # the kill comes halfway through the stream (it once waited for event 400 of a stream of 367, and
+    # so never came)
+    kill_at = len(events) // 2
+    assert kill_at >= 150, len(events)
     futs = {}
+    w2 = None
     for i, e in enumerate(events):
         futs[e["event_id"]] = await c.send(e)
-        if i == 400:
+        if i == kill_at:
             await c.producer.flush()
-            while len(c.decisions) < 250:  # noqa: ASYNC110 - the tables hold state, events are in flight
+            while len(c.decisions) < kill_at * 0.6:  # noqa: ASYNC110 - the tables hold state, events are in flight
                 await asyncio.sleep(0.05)
             w.kill()  # SIGKILL
             shutil.rmtree(d.env["SURGE_DATA_DIR"], ignore_errors=True)  # no local store: the changelog only
@@ -253,6 +258,7 @@ async def test_sigkill_under_load_then_recovery_from_the_changelog(deployment: A
         elif i % 50 == 0:
             await asyncio.sleep(0.05)
     await c.producer.flush()
+    assert w2 is not None, "the worker was never killed"
     _, pending = await asyncio.wait(futs.values(), timeout=120)
     assert not pending, f"{len(pending)} events without a decision after the crash"
     await asyncio.sleep(2)  # repeats of decisions made before the crash arrive too
@@ -261,3 +267,6 @@ async def test_sigkill_under_load_then_recovery_from_the_changelog(deployment: A
     assert report["missing"] == 0 and report["repeats_differing"] == 0, report
     assert report["mismatched_decisions"] == 0, report["mismatch_examples"]
     assert report["late_wrong"] == 0
+    # the stuck-send timer runs on the risk role too (agents/acks.report_stuck), and found nothing here
+    status = await asyncio.to_thread(w2.status)
+    assert status["sends_reported_stuck"] == 0, status
