@@ -13,6 +13,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from pipeline.devtools.broker import EmbeddedKafka
+from pipeline.devtools.procs import WorkerProcess
 from pipeline.metrics import scrape
 from tests.conftest import Deployment, request
 
@@ -138,19 +139,26 @@ async def test_two_workers_sigterm_rolling_restart_gives_no_duplicates(deploymen
     n = 600
     futs = []
     sent = [request(i, f"u{i % 12}", f"line {i}", priority=("batch", "offline")[i % 2]) for i in range(n)]
-    for i, req in enumerate(sent):
-        futs.append(await c.submit(req))
-        if i == 150:
-            await c.producer.flush()
-            w1.terminate()  # SIGTERM: stop taking work, drain, commit, leave the group
-        if i % 50 == 0:
-            await asyncio.sleep(0.25)
-    await c.producer.flush()
+    pending_at_sigterm = []  # requests unanswered as each SIGTERM is sent: each stop is under load
+
+    async def send(part: list[dict[str, object]], stop: WorkerProcess) -> None:
+        for i, req in enumerate(part):
+            futs.append(await c.submit(req))
+            if i == 150:
+                await c.producer.flush()
+                pending_at_sigterm.append(sum(not f.done() for f in futs))
+                stop.terminate()  # SIGTERM: stop taking work, drain, commit, leave the group
+            if i % 50 == 0:
+                await asyncio.sleep(0.25)
+        await c.producer.flush()
+
+    await send(sent[:350], w1)
     await asyncio.to_thread(w1.wait_exit, 60)
     d.workers.remove(w1)
     d.worker(worker_id="a")
-    w2.terminate()
+    await send(sent[350:], w2)  # the second stop while the rest of the stream arrives
     await asyncio.to_thread(w2.wait_exit, 60)
+    assert len(pending_at_sigterm) == 2 and min(pending_at_sigterm) > 0, pending_at_sigterm
     done, pending = await asyncio.wait(futs, timeout=120)
     if pending:
         missing = sorted({r["request_id"] for r in sent} - {r.request_id for r in c.replies})
@@ -171,12 +179,15 @@ async def test_broker_restart_under_load_loses_nothing(deployment, tmp_path: Pat
     broker = EmbeddedKafka(tmp_path / "own-kafka", partitions=4, heap_mb=384)
     broker.start()
     try:
-        d = Deployment(broker, tmp_path / "dep", **ECHO, echo_delay_ms="5")
+        # batches of 8 at 200 ms each: a backlog of seconds when the broker goes down
+        d = Deployment(broker, tmp_path / "dep", **{**ECHO, "echo_delay_ms": "200", "max_batch_size": "8"})
         d.worker()
         c = await d.client()
         futs = [await c.submit(request(i, f"u{i % 8}", f"before {i}")) for i in range(150)]
         await c.producer.flush()
         await d.replies(futs[:20], 60)
+        pending_at_restart = sum(not f.done() for f in futs)
+        assert pending_at_restart > 0, "every request was answered before the restart: nothing under load"
         await asyncio.to_thread(broker.restart)
         futs += [await c.submit(request(1000 + i, f"u{i % 8}", f"after {i}")) for i in range(150)]
         await c.producer.flush()

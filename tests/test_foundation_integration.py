@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -132,6 +133,8 @@ async def test_sigkill_mid_stream_during_merges_loses_nothing_and_repeats_are_id
     replies = await d.replies(futs, 120)
     assert {r.request_id for r in replies} == {f"r-{i}" for i in range(300)}
     assert all(r.status == "ok" for r in replies)
+    served = {r.served_from for r in replies}
+    assert "model" in served and "merged" in served, served  # merging was part of what the kill hit
     await asyncio.sleep(1.0)
     by_id: dict[str, list] = defaultdict(list)
     for r in c.replies:
@@ -174,8 +177,9 @@ async def test_round_trip_with_a_tiny_causal_lm(deployment, tmp_path) -> None:
         assert r.model_version and "@" in r.model_version
 
 
-async def test_intake_and_inference_in_separate_workers(deployment) -> None:
-    """The deployed shape: intake and inference roles in their own processes, one consumer group."""
+async def _split_deployment_asked_twice(deployment) -> tuple[list, str, str]:
+    """Intake and inference in their own processes, 120 requests over 40 questions, then the 40
+    asked again once answered; the second wave's replies and both workers' metrics."""
     d = deployment(model="echo", rate_limit_enabled="true", **RELAXED)
     d.worker(role="intake", wait=False)
     d.worker(role="inference", wait=False)
@@ -187,10 +191,41 @@ async def test_intake_and_inference_in_separate_workers(deployment) -> None:
     replies = await d.replies(futs, 90)
     assert all(r.status == "ok" for r in replies), [r.error for r in replies if r.status != "ok"][:3]
     assert {r.request_id for r in replies} == {f"r-{i}" for i in range(120)}
-    assert {"model", "cache"} <= {r.served_from for r in replies} | {"cache"}
+    assert "model" in {r.served_from for r in replies}
+    await asyncio.sleep(3)  # the answers' changelog records reach the intake worker
+    again = [
+        await c.submit(request(f"again-{i}", f"split-{i % 6}", f"split question {i}")) for i in range(40)
+    ]
+    await c.producer.flush()
+    replies = await d.replies(again, 90)
     intake_metrics, inference_metrics = (w.metrics() for w in d.workers)
-    assert 'surge_cache_lookups_total{layer="exact"' in intake_metrics
+    return replies, intake_metrics, inference_metrics
+
+
+def _lookups(metrics: str, layer: str, result: str) -> float:
+    found = re.search(rf'surge_cache_lookups_total\{{layer="{layer}",result="{result}"\}} (\S+)', metrics)
+    assert found is not None, metrics[:1000]
+    return float(found.group(1))
+
+
+async def test_intake_and_inference_in_separate_workers(deployment) -> None:
+    """The deployed shape: intake and inference roles in their own processes, one consumer group;
+    a question asked again once answered is answered from a cache, not by the model."""
+    replies, _, inference_metrics = await _split_deployment_asked_twice(deployment)
+    assert [r.served_from for r in replies] == ["cache"] * 40, [r.served_from for r in replies]
     assert "surge_batch_size_count 0.0" not in inference_metrics
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect: with intake in its own worker, its exact cache misses every answer the "
+    "inference worker stored (it learns them from the changelog, 40 of 40, but lookups miss), so "
+    "repeats take a hop to the inference worker's cache; see the README's latest session",
+)
+async def test_a_split_intake_answers_repeats_from_its_exact_cache(deployment) -> None:
+    replies, intake_metrics, _ = await _split_deployment_asked_twice(deployment)
+    assert [r.served_from for r in replies] == ["cache"] * 40
+    assert _lookups(intake_metrics, "exact", "hit") >= 40, _lookups(intake_metrics, "exact", "miss")
 
 
 async def test_surge_send_and_tail_from_the_command_line(deployment) -> None:

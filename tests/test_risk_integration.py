@@ -251,6 +251,7 @@ async def test_sigkill_under_load_then_recovery_from_the_changelog(deployment: A
             await c.producer.flush()
             while len(c.decisions) < kill_at * 0.6:  # noqa: ASYNC110 - the tables hold state, events are in flight
                 await asyncio.sleep(0.05)
+            in_flight_at_kill = kill_at + 1 - len(c.decisions)
             w.kill()  # SIGKILL
             shutil.rmtree(d.env["SURGE_DATA_DIR"], ignore_errors=True)  # no local store: the changelog only
             w2 = d.worker(role="risk", wait=False)
@@ -259,6 +260,7 @@ async def test_sigkill_under_load_then_recovery_from_the_changelog(deployment: A
             await asyncio.sleep(0.05)
     await c.producer.flush()
     assert w2 is not None, "the worker was never killed"
+    assert in_flight_at_kill > 0, "nothing was in flight at the kill"
     _, pending = await asyncio.wait(futs.values(), timeout=120)
     assert not pending, f"{len(pending)} events without a decision after the crash"
     await asyncio.sleep(2)  # repeats of decisions made before the crash arrive too
