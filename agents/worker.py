@@ -21,7 +21,7 @@ from agents.runtime import Runtime
 from pipeline.admin import changelog_config
 from pipeline.app import create_app, table_store_options
 from pipeline.cache import AnswerCache
-from pipeline.compat import before_flow_resume
+from pipeline.compat import before_flow_resume, flush_changelog_buffers
 from pipeline.metrics import GpuSampler, create_metrics
 from pipeline.records import now_ms
 from pipeline.replybook import ReplyBook
@@ -157,6 +157,8 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
         # the Acker commits what its ledgers released and checks for holes (agents/acks.py)
         await rt.acker.commit()
         await rt.acker.check_holes(time.monotonic())
+        # other workers' answers and recorded replies into this worker's stores (pipeline/compat.py)
+        flush_changelog_buffers(app)
         rt.acker.report_stuck_sends(time.monotonic(), stuck_after_s(settings.producer_request_timeout_ms))
 
     @app.task

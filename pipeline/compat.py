@@ -348,6 +348,23 @@ def wake_producer(producer: AIOKafkaProducer) -> bool:
     return True
 
 
+def flush_changelog_buffers(app: Any) -> None:
+    """Write what Faust's table recovery has read from changelogs and still buffers into the tables'
+    stores now.
+
+    Why: a global table with ``use_partitioner`` (surge's answer cache and reply book) has every
+    changelog partition assigned as active as well as standby, and Faust's changelog reader sizes a
+    partition's buffer by the active branch first: ``recovery_buffer_size``, 1,000 records, not the
+    ``standby_buffer_size=1`` Faust gives global tables. So after recovery another worker's writes
+    stayed in memory until 1,000 had come or the next rebalance ended a recovery: a split intake
+    worker's exact cache missed every answer the inference worker stored. Called on the commit timer,
+    it bounds that delay by the commit interval and keeps recovery's batched writes. Untyped:
+    ``TableManager.recovery`` (not in ``TableManagerT``) and ``Recovery.flush_buffers``, which
+    Faust itself calls when a recovery ends and when it stops.
+    """
+    app.tables.recovery.flush_buffers()
+
+
 def before_flow_resume(app: Any, callback: Any) -> None:
     """Call ``callback()`` each time Faust resumes its flow control, just before it empties the
     stream buffers.

@@ -22,6 +22,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.client import AIOKafkaClient
 from aiokafka.consumer.group_coordinator import GroupCoordinator
 from faust.tables import TableManager
+from faust.tables.recovery import Recovery
 from faust.transport.consumer import ThreadDelegateConsumer
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
@@ -40,6 +41,10 @@ def test_written_for_the_installed_versions() -> None:
 def test_the_private_attributes_exist() -> None:
     assert isinstance(faust.streams._current_event, ContextVar)
     assert callable(faust_aiokafka.Producer._ensure_producer)
+    # flush_changelog_buffers: the table manager's recovery service and its buffer flush
+    assert isinstance(inspect.getattr_static(TableManager, "recovery"), property)
+    assert callable(Recovery.flush_buffers)
+    assert "table.recovery_buffer_size" in inspect.getsource(Recovery)  # the active branch sizes first
     assert callable(AIOKafkaClient.force_metadata_update)
     # commit_offsets, seek_wait: Faust's consumer thread and its aiokafka consumer
     assert "self._thread = self._new_consumer_thread()" in inspect.getsource(ThreadDelegateConsumer)
