@@ -374,16 +374,21 @@ async def test_a_recorded_reply_is_never_re_sent_to_another_reply_topic(
 
 
 def hold_reply_records(
-    w: Running, monkeypatch: pytest.MonkeyPatch, which: Callable[[str], bool]
+    w: Running,
+    monkeypatch: pytest.MonkeyPatch,
+    which: Callable[[str], bool],
+    held: list[asyncio.Future[None]] | None = None,
 ) -> asyncio.Event:
     """Delay the acknowledgement of the worker's reply-book changelog records whose value (as JSON)
     ``which`` selects until the returned event is set: the records are sent as usual, and the others
-    are acknowledged as they come (a record on another partition may be acknowledged first)."""
+    are acknowledged as they come (a record on another partition may be acknowledged first). Each
+    record held adds one entry to ``held``, so a test can tell that it held something."""
     assert w.rt.book_table is not None
     table = w.rt.book_table.table
     release = asyncio.Event()
     send_changelog = table.send_changelog
-    held: list[asyncio.Future[None]] = []
+    if held is None:
+        held = []
 
     def delayed(partition: int | None, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
         fut = send_changelog(partition, key, value, *args, **kwargs)
@@ -415,11 +420,13 @@ async def test_a_reply_is_sent_only_once_its_reply_book_record_is_on_the_broker(
     async with inprocess(kafka, tmp_path) as w:
         (warm,) = await w.replies(await w.client.submit(request("warm", "carol", "say it once")))
         assert warm.status == "ok"
-        release = hold_reply_records(w, monkeypatch, lambda value: True)
+        held: list[asyncio.Future[None]] = []
+        release = hold_reply_records(w, monkeypatch, lambda value: True, held)
         model = await w.client.submit(request("fresh", "carol", "a question nobody asked yet"))
         cached = await w.client.submit(request("again", "dave", "say it once"))
         await w.client.producer.flush()
         await asyncio.sleep(2.0)
+        assert len(held) >= 2, f"both replies' records are held ({len(held)} held)"
         assert not model.done() and not cached.done(), "a reply went out before its record"
         release.set()
         fresh, again = await w.replies(model, cached)
