@@ -55,7 +55,7 @@ COMMIT_TIMEOUT_S = 5.0
 @dataclass(slots=True)
 class SendGroup:
     """The sends of one :meth:`Acker.ack_after`: when they were handed to the producer, and
-    whether they were reported as stuck (:meth:`Acker.stuck_sends`)."""
+    whether they were reported as stuck (:func:`report_stuck`)."""
 
     started: float
     futures: list[Awaitable[Any]]
@@ -70,22 +70,19 @@ class SendGroup:
         ]
 
 
-def newly_stuck(groups: Iterable[SendGroup], now: float, after_s: float) -> list[SendGroup]:
-    """The groups that have waited more than ``after_s`` and were not reported before, marked
-    reported."""
+def report_stuck(app: faust.App, groups: Iterable[SendGroup], now: float, after_s: float) -> int:
+    """Report, once each, the groups that have waited more than ``after_s`` for the broker: log
+    each with what the producer still holds, and wake the producer's sender; returns how many were
+    reported. Called on a timer with ``after_s`` past the producer's request timeout: by then
+    aiokafka has delivered a record, failed it or sent it again (a request unanswered is cut off at
+    that timeout), so a group still waiting is stuck inside the producer. It holds its records
+    unacked and everything behind them; the log says where it stopped, and a sender that missed a
+    wake-up sends it now (docs/architecture.md, "Guarantees")."""
     stuck = [g for g in groups if not g.reported and now - g.started > after_s]
-    for group in stuck:
-        group.reported = True
-    return stuck
-
-
-def report_stuck(app: faust.App, stuck: list[SendGroup], now: float, after_s: float) -> int:
-    """Log each stuck send group with what the producer still holds, and wake the producer's
-    sender; returns ``len(stuck)``. A stuck send holds its records unacked and everything behind
-    them; the log says where it stopped, and a sender that missed a wake-up sends it now
-    (docs/architecture.md, "Guarantees")."""
     if not stuck:
         return 0
+    for group in stuck:
+        group.reported = True
     try:
         producer = kafka_producer(app.producer)
         backlog: object = producer_backlog(producer)
@@ -132,7 +129,7 @@ class Acker:
         self._tasks: set[asyncio.Task[None]] = set()
         #: ack_after tasks still waiting for the broker to acknowledge their sends
         self._sends: dict[asyncio.Task[None], SendGroup] = {}
-        #: send groups reported as stuck (:meth:`stuck_sends`)
+        #: send groups reported as stuck (:meth:`report_stuck_sends`)
         self.stuck_reported = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -359,10 +356,10 @@ class Acker:
 
     def ack_after(self, tickets: list[Ticket], futures: Iterable[Awaitable[Any]]) -> None:
         """Finish ``tickets`` once every future has resolved; called right after the sends."""
-        futures = list(futures)
-        task = asyncio.get_running_loop().create_task(self._after(tickets, futures))
+        group = SendGroup(time.monotonic(), list(futures))
+        task = asyncio.get_running_loop().create_task(self._after(tickets, group))
         self._tasks.add(task)
-        self._sends[task] = SendGroup(time.monotonic(), futures)
+        self._sends[task] = group
         task.add_done_callback(self._sent)
 
     def _sent(self, task: asyncio.Task[None]) -> None:
@@ -380,28 +377,17 @@ class Acker:
             "oldest_ms": None if oldest is None else round((time.monotonic() - oldest) * 1000),
         }
 
-    def stuck_sends(self, now: float, after_s: float) -> list[SendGroup]:
-        """Send groups that have waited more than ``after_s`` for the broker and were not reported
-        before; each is marked reported. Called on the commit timer with ``after_s`` past the
-        producer's request timeout: by then aiokafka has either delivered a record or failed it
-        (a request unanswered is cut off at that timeout), so a group still waiting is stuck
-        inside the producer (docs/architecture.md, "Guarantees")."""
-        stuck = newly_stuck(self._sends.values(), now, after_s)
-        self.stuck_reported += len(stuck)
-        return stuck
-
     def report_stuck_sends(self, now: float, after_s: float) -> int:
-        """Report each newly stuck send group (:meth:`stuck_sends`) and wake the producer
-        (:func:`report_stuck`); returns how many groups were reported."""
-        return report_stuck(self.app, self.stuck_sends(now, after_s), now, after_s)
+        """Called on the commit timer: report send groups stuck in the producer
+        (:func:`report_stuck`); returns how many were reported now."""
+        reported = report_stuck(self.app, self._sends.values(), now, after_s)
+        self.stuck_reported += reported
+        return reported
 
-    async def _after(self, tickets: list[Ticket], futures: list[Awaitable[Any]]) -> None:
-        task = asyncio.current_task()
+    async def _after(self, tickets: list[Ticket], group: SendGroup) -> None:
         try:
-            for i, fut in enumerate(futures):  # awaited in turn: no task per send
-                group = self._sends.get(task) if task is not None else None
-                if group is not None:
-                    group.awaiting = i
+            for i, fut in enumerate(group.futures):  # awaited in turn: no task per send
+                group.awaiting = i
                 await fut
         except (Exception, asyncio.CancelledError) as exc:
             # a send cancelled by someone else is a failed one; returning here instead would leave

@@ -26,7 +26,7 @@ from typing import Any
 import faust
 from faust.types import TP, EventT, TableT
 
-from agents.acks import SendGroup, newly_stuck, report_stuck, stuck_after_s
+from agents.acks import SendGroup, report_stuck, stuck_after_s
 from agents.lifecycle import Lifecycle, on_partitions, serve_pages
 from agents.runtime import Runtime, event_context, unacked
 from pipeline.admin import ensure_topics
@@ -327,7 +327,7 @@ class RiskAgents:
         """Called on a timer: report batches whose outputs have waited past the producer's request
         timeout, and wake the producer (agents/acks.report_stuck)."""
         after_s = stuck_after_s(self.s.producer_request_timeout_ms)
-        reported = report_stuck(self.rt.app, newly_stuck(self.sending.values(), now, after_s), now, after_s)
+        reported = report_stuck(self.rt.app, self.sending.values(), now, after_s)
         self.stuck_reported += reported
         return reported
 

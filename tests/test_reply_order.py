@@ -216,13 +216,12 @@ def test_a_group_of_producer_futures_lists_only_those_not_yet_acknowledged(
         acked.set_result(None)
         old = acks.SendGroup(started=100.0, futures=[acked, waiting])
         young = acks.SendGroup(started=130.0, futures=[waiting])
-        assert acks.newly_stuck([old, young], now=141.0, after_s=40.0) == [old]
-        assert acks.newly_stuck([old, young], now=142.0, after_s=40.0) == []  # once
         assert old.pending() == [repr(waiting)]
         with caplog.at_level("ERROR", logger="surge.acks"):
             app = SimpleNamespace(producer=object())
-            assert acks.report_stuck(app, [old], now=141.0, after_s=40.0) == 1  # type: ignore[arg-type]
-            assert acks.report_stuck(app, [], now=141.0, after_s=40.0) == 0  # type: ignore[arg-type]
+            assert acks.report_stuck(app, [old, young], now=141.0, after_s=40.0) == 1  # type: ignore[arg-type]
+            assert acks.report_stuck(app, [old, young], now=142.0, after_s=40.0) == 0  # type: ignore[arg-type]
+        assert old.reported and not young.reported
         [line] = [r.getMessage() for r in caplog.records]
         assert "after 41 s" in line and "was awake" in line and "pending" in line, line
     finally:
