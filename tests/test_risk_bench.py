@@ -133,3 +133,16 @@ def test_bench_risk_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
     assert q["test_fraud"] > 0 and 0 <= q["rules"]["recall"] <= q["model"]["recall"] <= 1
     names = {t["name"] for t in r["targets"]}
     assert any("per worker" in n for n in names) and any("brute force" in n for n in names)
+
+
+def test_risk_phases_reports_capacity_latency_and_full_collections(kafka: EmbeddedKafka) -> None:
+    """``python -m pipeline.devtools.risk_phases`` (the A/B of two checkouts), small: every event of
+    each phase decided, the numbers in order, and the worker's generation-2 collections counted (a
+    worker makes several while it starts: the models, then the frozen heap)."""
+    from pipeline.devtools.risk_phases import run_phases
+
+    r = run_phases(pre=300, capacity=300, low=150, rate=100.0, broker=kafka)
+    assert r["capacity_events_per_s"] > 0
+    assert 0 < r["low_p50_ms"] <= r["low_p90_ms"] <= r["low_p99_ms"]
+    assert r["gc2_count_total"] >= 1 and r["gc2_seconds_total"] > 0
+    assert 0 <= r["gc2_count_low"] <= r["gc2_count_total"]

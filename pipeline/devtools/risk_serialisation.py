@@ -78,7 +78,7 @@ def chain(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.devtools.bench.risk import _stream  # the benchmark's stream: 5 % out of order
+    from pipeline.devtools.bench.risk import stream  # the benchmark's stream: 5 % out of order
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--events", type=int, default=20_000)
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         dedup_ids=s.risk_dedup_ids,
         seen_max=s.risk_seen_max,
     )
-    events = _stream(args.events)
+    events = stream(args.events)
     cache = 0 if args.no_cache else s.risk_feature_cache_entries
     runs: dict[str, list[tuple[float, float]]] = {a: [] for a in ARMS}
     saved = jsonio.dumps, jsonio.loads

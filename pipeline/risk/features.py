@@ -92,15 +92,21 @@ def cents(amount: float) -> int:
 
 
 class EntityState:
-    """One entity's tiles, head, first-seen values and recent event ids. JSON via :meth:`dumps`."""
+    """One entity's tiles, head, first-seen values and recent event ids. JSON via :meth:`dumps`.
+
+    Tiles and first-seen values are tuples of numbers and strings, replaced rather than changed in
+    place: the garbage collector stops tracking such tuples (and the dicts holding only them), so a
+    worker's tens of thousands of states add a few objects each to every full collection instead of
+    dozens of sets and lists (a full collection stopped the event loop for about 0.4 s each with sets;
+    docs/architecture.md, "Risk: features")."""
 
     __slots__ = ("head", "recent", "seen", "tiles")
 
     def __init__(self, spec: EntitySpec, cfg: FeatureConfig) -> None:
         self.head: int | None = None
-        #: per window: {tile index: [count, cents, small, set(values of distinct field 0), ...]}
-        self.tiles: list[dict[int, list[Any]]] = [{} for _ in WINDOWS]
-        self.seen: dict[str, list[str]] = {f: [] for f in spec.seen}
+        #: per window: {tile index: (count, cents, small, (values of distinct field 0), ...)}
+        self.tiles: list[dict[int, tuple[Any, ...]]] = [{} for _ in WINDOWS]
+        self.seen: dict[str, tuple[str, ...]] = dict.fromkeys(spec.seen, ())
         self.recent: deque[str] = deque(maxlen=cfg.dedup_ids)
 
     def dumps(self) -> bytes:
@@ -120,8 +126,8 @@ class EntityState:
         obj = jsonio.loads(data)
         st = cls(spec, cfg)
         st.head = obj["h"]
-        st.tiles = [{idx: [t[0], t[1], t[2], *map(set, t[3:])] for idx, t in ts} for ts in obj["t"]]
-        st.seen = {f: list(obj["s"].get(f, [])) for f in spec.seen}
+        st.tiles = [{idx: (t[0], t[1], t[2], *map(tuple, t[3:])) for idx, t in ts} for ts in obj["t"]]
+        st.seen = {f: tuple(obj["s"].get(f, ())) for f in spec.seen}
         st.recent.extend(obj["r"])
         return st
 
@@ -208,14 +214,17 @@ def step(spec: EntitySpec, cfg: FeatureConfig, state: EntityState, ev: dict[str,
         if hi >= floor:
             tile = tiles.get(hi)
             if tile is None:
-                tile = tiles[hi] = [1, amount, is_small, *({v} if v is not None else set() for v in values)]
+                tiles[hi] = (1, amount, is_small, *((v,) if v is not None else () for v in values))
             else:
-                tile[0] += 1
-                tile[1] += amount
-                tile[2] += is_small
-                for k, v in enumerate(values, 3):
-                    if v is not None:
-                        tile[k].add(v)
+                tiles[hi] = (
+                    tile[0] + 1,
+                    tile[1] + amount,
+                    tile[2] + is_small,
+                    *(
+                        vs if v is None or v in vs else (*vs, v)
+                        for v, vs in zip(values, tile[3:], strict=True)
+                    ),
+                )
     out.append(None if prev is None else max(0, t - prev) / 1000)
     if spec.kind == "account":
         # count and total are the last window's (24 h), read before the event was added
@@ -225,9 +234,7 @@ def step(spec: EntitySpec, cfg: FeatureConfig, state: EntityState, ev: dict[str,
             seen = state.seen[f]
             out.append(None if prev is None or v is None else int(v not in seen))
             if v is not None and v not in seen:
-                seen.append(v)
-                if len(seen) > cfg.seen_max:
-                    del seen[0]
+                state.seen[f] = (*seen, v)[-cfg.seen_max :]
     state.head = head
     state.recent.append(eid)
     return StepResult(OK, out)

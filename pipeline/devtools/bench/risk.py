@@ -105,7 +105,7 @@ QUICK = dataclasses.replace(
 GRACE_MS = 5_000
 
 
-def _stream(n: int, seed: int = 101) -> list[dict[str, Any]]:
+def stream(n: int, seed: int = 101) -> list[dict[str, Any]]:
     """``n`` simulated events in send order, 5 % out of order within the grace period, 0.1 % late."""
     customers = max(200, min(6000, n // 30))
     days = max(1.0, n / (customers * 5.0))
@@ -117,7 +117,7 @@ def _stream(n: int, seed: int = 101) -> list[dict[str, Any]]:
     return disorder(events[:n], share=0.05, late_share=0.001, grace_ms=GRACE_MS, seed=seed)
 
 
-class _Collector(Background):
+class Collector(Background):
     """Reads every decision (raw) with its arrival time; parsed after the run."""
 
     def __init__(self, bootstrap: str, topic: str) -> None:
@@ -150,7 +150,7 @@ class _Collector(Background):
         return [RiskDecision.model_validate_json(v) for v, _ in self.raw]
 
 
-async def _send(
+async def send_events(
     producer: AIOKafkaProducer,
     topic: str,
     events: list[dict[str, Any]],
@@ -173,7 +173,7 @@ async def _send(
     return time.monotonic() - start
 
 
-async def _wait_for(collector: _Collector, ids: set[str], timeout_s: float, what: str) -> float:
+async def wait_for(collector: Collector, ids: set[str], timeout_s: float, what: str) -> float:
     """Wait until every id in ``ids`` has a decision; seconds waited."""
     t0 = time.monotonic()
     have: set[str] = set()
@@ -190,7 +190,7 @@ async def _wait_for(collector: _Collector, ids: set[str], timeout_s: float, what
     )
 
 
-def _patience(n: int) -> float:
+def patience(n: int) -> float:
     """How long to wait for ``n`` decisions before calling the run failed: a slow worker on a busy
     machine still finishes (its backlog shows as latency), a stuck one does not."""
     return 300 + n / 25
@@ -236,7 +236,7 @@ def run(job: BenchRun) -> int:
     n_later = int(plan.max_within_rate * (plan.within_s + plan.crash_s))
     total = n_steady + n_burst + plan.capacity_events + n_later
     print(f"simulating {total} events ...", file=sys.stderr)
-    events = _stream(total)
+    events = stream(total)
     steady = events[:n_steady]
     burst = events[n_steady : n_steady + n_burst]
     capacity = events[n_steady + n_burst : n_steady + n_burst + plan.capacity_events]
@@ -256,18 +256,18 @@ def run(job: BenchRun) -> int:
             t0 = time.monotonic()
             await asyncio.to_thread(w.wait_ready, RISK_READY, 240)
             startup_s = time.monotonic() - t0
-            collector = _Collector(env.bootstrap, d.topics.risk_decisions)
+            collector = Collector(env.bootstrap, d.topics.risk_decisions)
             await collector.start()
             producer = AIOKafkaProducer(bootstrap_servers=env.bootstrap, acks="all", linger_ms=2)
             await producer.start()
             topic = d.topics.risk_events
             out: dict[str, Any] = {"worker_startup_s": round(startup_s, 1)}
             try:
-                warm = _stream(300, seed=7)
+                warm = stream(300, seed=7)
                 for e in warm:
                     e["event_id"] = "warm-" + e["event_id"]
-                await _send(producer, topic, warm, 300)
-                await _wait_for(collector, {e["event_id"] for e in warm}, 120, "warm-up")
+                await send_events(producer, topic, warm, 300)
+                await wait_for(collector, {e["event_id"] for e in warm}, 120, "warm-up")
                 phases: dict[str, tuple[list[str], float, float]] = {}
 
                 async def run_phase(
@@ -280,10 +280,8 @@ def run(job: BenchRun) -> int:
                     """Send ``evs``, wait for all their decisions (``what`` names the phase if they do
                     not come); ``phases[name]``: the ids, seconds sending, seconds until all decided."""
                     t = time.monotonic()
-                    sent_s = await _send(producer, topic, evs, rate, at=at)
-                    await _wait_for(
-                        collector, {e["event_id"] for e in evs}, _patience(len(evs)), what or name
-                    )
+                    sent_s = await send_events(producer, topic, evs, rate, at=at)
+                    await wait_for(collector, {e["event_id"] for e in evs}, patience(len(evs)), what or name)
                     phases[name] = ([e["event_id"] for e in evs], sent_s, time.monotonic() - t)
 
                 for name, evs, rate in (

@@ -1,0 +1,130 @@
+"""One risk worker through three phases, with its garbage-collection pauses: an A/B of two checkouts.
+
+``python -m pipeline.devtools.risk_phases [--pre N] [--capacity N] [--low N] [--rate R] [--json P]``
+starts a broker and one ``surge worker --role risk`` and sends ``surge bench risk``'s simulated stream:
+
+1. ``--pre`` events as a backlog, waited for: the entity state a worker holds after a while;
+2. ``--capacity`` events as fast as possible: the events/s it drains;
+3. ``--low`` events at ``--rate``/s: produce-to-decision p50/p90/p99 when it keeps up.
+
+It prints one JSON line (``RESULT {...}``) with those numbers and the worker's full (generation 2)
+collections, counted and timed by ``surge_gc_pause_seconds``, during phase 3 and in all. To compare two
+versions of the code, run it in each checkout (``git worktree add``), alternately, from that checkout's
+folder (its ``pipeline`` is the one imported, by the worker too); README.md, "What limits the risk
+worker", gives such a run (docs/architecture.md, "Risk: features").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.devtools.bench import risk as rb
+from pipeline.devtools.bench.common import BENCH_DIR, BenchEnv
+from pipeline.devtools.broker import EmbeddedKafka
+from pipeline.devtools.deployment import Samples
+from pipeline.metrics import scrape
+
+
+def _gc2(samples: Samples) -> tuple[float, float]:
+    """(count, seconds) of the worker's generation-2 collections so far."""
+    key = (("generation", "2"),)
+    return (
+        samples.get(("surge_gc_pause_seconds_count", key), 0.0),
+        samples.get(("surge_gc_pause_seconds_sum", key), 0.0),
+    )
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+def run_phases(
+    pre: int, capacity: int, low: int, rate: float, broker: EmbeddedKafka | None = None
+) -> dict[str, Any]:
+    """The three phases on a fresh deployment (and a broker of its own unless ``broker`` is given)."""
+    from pipeline.riskops import RISK_READY
+
+    print(f"simulating {pre + capacity + low} events ...", file=sys.stderr)
+    events = rb.stream(pre + capacity + low)
+    phases = events[:pre], events[pre : pre + capacity], events[pre + capacity :]
+    with BenchEnv("risk-phases", broker=broker, bench_dir=BENCH_DIR / "risk-phases") as env:
+        d = env.deployment("risk", role="risk", risk_grace_ms=rb.GRACE_MS)
+        settings = d.settings()
+
+        async def main() -> dict[str, Any]:
+            from aiokafka import AIOKafkaProducer
+
+            from agents.risk import ensure_risk_topics
+
+            await ensure_risk_topics(settings)
+            w = d.worker(role="risk", wait=False)
+            await asyncio.to_thread(w.wait_ready, RISK_READY, 240)
+            collector = rb.Collector(env.bootstrap, d.topics.risk_decisions)
+            await collector.start()
+            producer = AIOKafkaProducer(bootstrap_servers=env.bootstrap, acks="all", linger_ms=2)
+            await producer.start()
+            topic = d.topics.risk_events
+            try:
+                seconds = []
+                for name, evs, at in zip(("pre", "capacity", "low"), phases, (None, None, rate), strict=True):
+                    if name == "low":
+                        gc_before = _gc2(scrape(w.metrics()))
+                    print(f"risk phases: {name}, {len(evs)} events", file=sys.stderr)
+                    t = time.monotonic()
+                    await rb.send_events(producer, topic, evs, at)
+                    await rb.wait_for(collector, {e["event_id"] for e in evs}, rb.patience(len(evs)), name)
+                    seconds.append(time.monotonic() - t)
+                gc_after = _gc2(scrape(w.metrics()))
+                ids = {e["event_id"] for e in phases[2]}
+                lat = [
+                    float(x.timings.produce_to_decision_ms)
+                    for x in collector.decisions()
+                    if x.timings is not None and x.event_id in ids
+                ]
+            finally:
+                await producer.stop()
+                await collector.stop()
+            return {
+                "pre": pre,
+                "capacity_events": capacity,
+                "capacity_events_per_s": round(capacity / seconds[1], 1) if capacity else None,
+                "low_events": low,
+                "low_rate": rate,
+                **{f"low_p{int(q * 100)}_ms": _quantile(lat, q) for q in (0.5, 0.9, 0.99)},
+                "gc2_count_low": gc_after[0] - gc_before[0],
+                "gc2_seconds_low": round(gc_after[1] - gc_before[1], 3),
+                "gc2_count_total": gc_after[0],
+                "gc2_seconds_total": round(gc_after[1], 3),
+            }
+
+        return asyncio.run(main())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipeline.devtools.risk_phases", description=__doc__)
+    p.add_argument("--pre", type=int, default=120_000, help="events sent first as a backlog (state)")
+    p.add_argument("--capacity", type=int, default=20_000, help="events sent as fast as possible")
+    p.add_argument("--low", type=int, default=10_000, help="events sent at --rate")
+    p.add_argument("--rate", type=float, default=334.0, help="events/s of the last phase")
+    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+    a = p.parse_args(argv)
+    result = run_phases(a.pre, a.capacity, a.low, a.rate)
+    line = json.dumps(result)
+    print(f"RESULT {line}", flush=True)
+    if a.json is not None:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
