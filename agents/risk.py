@@ -64,8 +64,6 @@ log = logging.getLogger("surge.risk")
 
 #: how long a stage waits for a pinned rule-set version it has not read yet
 RULES_WAIT_S = 1.0
-#: batches of one stage whose outputs may be in flight at once
-MAX_SETTLING = 8
 
 
 def table_name(kind: str) -> str:
@@ -299,7 +297,8 @@ class RiskAgents:
     async def _process_loop(self, kind: str, stream: faust.StreamT, batches: _Batches) -> None:
         """Processor half: a batch is processed and its outputs sent at once; waiting for the broker,
         writing the states and acking happen in a settle task per batch, chained in batch order, so the
-        next batch never waits for a broker round trip (at most ``MAX_SETTLING`` batches in flight)."""
+        next batch waits for a broker round trip only when ``risk_batches_in_flight`` batches are in flight;
+        what arrives meanwhile makes the next batch bigger, and a bigger batch costs less per event."""
         await self.rules_ready.wait()
         settling: list[asyncio.Future[None]] = []
         while True:
@@ -317,7 +316,7 @@ class RiskAgents:
             task.add_done_callback(self._settled)
             settling.append(task)
             settling = [f for f in settling if not f.done()]
-            if len(settling) >= MAX_SETTLING:
+            if len(settling) >= self.s.risk_batches_in_flight:
                 await settling[0]
 
     def _settled(self, task: asyncio.Future[None]) -> None:

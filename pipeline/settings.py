@@ -408,6 +408,14 @@ class Settings(BaseSettings):
     risk_batch_wait_ms: float = Field(
         5.0, ge=0, le=1000, description="once a record arrived, a risk stage waits this long for more, ms"
     )
+    risk_batches_in_flight: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="batches of one risk stage whose outputs may wait for the broker at once; the next "
+        "batch takes what arrived meanwhile, so fewer in flight means bigger batches (8 kept a worker "
+        'behind at 1,000 events/s, 2 keeps up: docs/architecture.md, "Risk: the chain")',
+    )
     risk_feature_cache_entries: int = Field(
         200_000, ge=0, description="entity states kept decoded in memory per risk stage; 0 = no cache"
     )

@@ -1,6 +1,7 @@
 """One risk worker through three phases, with its garbage-collection pauses: an A/B of two checkouts.
 
-``python -m pipeline.devtools.risk_phases [--pre N] [--capacity N] [--low N] [--rate R] [--json P]``
+``python -m pipeline.devtools.risk_phases [--pre N] [--capacity N] [--low N] [--rate R] [--simulate N]
+[--json P]``
 starts a broker and one ``surge worker --role risk`` and sends ``surge bench risk``'s simulated stream:
 
 1. ``--pre`` events as a backlog, waited for: the entity state a worker holds after a while;
@@ -11,7 +12,8 @@ It prints one JSON line (``RESULT {...}``) with those numbers and the worker's f
 collections, counted and timed by ``surge_gc_pause_seconds``, during phase 3 and in all. To compare two
 versions of the code, run it in each checkout (``git worktree add``), alternately, from that checkout's
 folder (its ``pipeline`` is the one imported, by the worker too); README.md, "What limits the risk
-worker", gives such a run (docs/architecture.md, "Risk: features").
+worker", gives such a run (docs/architecture.md, "Risk: features"). To compare two values of a setting,
+run it with each in the environment (``SURGE_RISK_BATCHES_IN_FLIGHT=8``): the worker inherits it.
 """
 
 from __future__ import annotations
@@ -48,13 +50,21 @@ def _quantile(values: list[float], q: float) -> float | None:
 
 
 def run_phases(
-    pre: int, capacity: int, low: int, rate: float, broker: EmbeddedKafka | None = None
+    pre: int,
+    capacity: int,
+    low: int,
+    rate: float,
+    broker: EmbeddedKafka | None = None,
+    simulate: int | None = None,
 ) -> dict[str, Any]:
-    """The three phases on a fresh deployment (and a broker of its own unless ``broker`` is given)."""
+    """The three phases on a fresh deployment (and a broker of its own unless ``broker`` is given).
+    ``simulate``: events the stream is simulated for (its customers and days grow with it), the
+    phases taking the first ones; default just enough."""
     from pipeline.riskops import RISK_READY
 
-    print(f"simulating {pre + capacity + low} events ...", file=sys.stderr)
-    events = rb.stream(pre + capacity + low)
+    total = max(simulate or 0, pre + capacity + low)
+    print(f"simulating {total} events ...", file=sys.stderr)
+    events = rb.stream(total)
     phases = events[:pre], events[pre : pre + capacity], events[pre + capacity :]
     with BenchEnv("risk-phases", broker=broker, bench_dir=BENCH_DIR / "risk-phases") as env:
         d = env.deployment("risk", role="risk", risk_grace_ms=rb.GRACE_MS)
@@ -94,6 +104,7 @@ def run_phases(
                 await producer.stop()
                 await collector.stop()
             return {
+                "simulated": total,
                 "pre": pre,
                 "capacity_events": capacity,
                 "capacity_events_per_s": round(capacity / seconds[1], 1) if capacity else None,
@@ -115,9 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", type=int, default=20_000, help="events sent as fast as possible")
     p.add_argument("--low", type=int, default=10_000, help="events sent at --rate")
     p.add_argument("--rate", type=float, default=334.0, help="events/s of the last phase")
+    p.add_argument(
+        "--simulate",
+        type=int,
+        default=245_000,
+        help="events the stream is simulated for (245,000: the world of surge bench risk)",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     a = p.parse_args(argv)
-    result = run_phases(a.pre, a.capacity, a.low, a.rate)
+    result = run_phases(a.pre, a.capacity, a.low, a.rate, simulate=a.simulate)
     line = json.dumps(result)
     print(f"RESULT {line}", flush=True)
     if a.json is not None:

@@ -1,0 +1,80 @@
+"""A risk stage's batching (agents/risk.py, docs/architecture.md, "Risk: the chain"): the next batch is
+taken while fewer than ``risk_batches_in_flight`` batches wait for the broker; what arrives meanwhile
+goes into one bigger batch. No broker: the stage's processing and settling are replaced by recorders,
+the loop and its batch buffer are the worker's own."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Any
+
+import pytest
+
+from agents.risk import RiskAgents, _Batches
+from pipeline.settings import Settings
+
+
+class _Recorder:
+    """The parts of :class:`RiskAgents` the processing loop calls, recording each batch and holding
+    each settle until released."""
+
+    def __init__(self, in_flight: int) -> None:
+        self.s = Settings(risk_batches_in_flight=in_flight, risk_batch_wait_ms=0)
+        self.rules_ready = asyncio.Event()
+        self.rules_ready.set()
+        self.sending: dict[asyncio.Future[None], Any] = {}
+        self.taken: list[list[int]] = []
+        self.gates: list[asyncio.Event] = []
+
+    async def process(self, kind: str, events: list[int]) -> tuple[list[Awaitable[Any]], list[Any]]:
+        self.taken.append(list(events))
+        return [], []
+
+    async def _settle(
+        self, kind: str, stream: Any, events: Any, futures: Any, writes: Any, prev: Any
+    ) -> None:
+        gate = asyncio.Event()
+        self.gates.append(gate)
+        if prev is not None:
+            await asyncio.shield(prev)
+        await gate.wait()  # the broker has not acknowledged this batch's outputs yet
+
+    def _settled(self, task: asyncio.Future[None]) -> None:
+        self.sending.pop(task, None)
+
+    async def _fail(self, kind: str, exc: BaseException) -> None:
+        raise AssertionError(f"stage failed: {exc!r}")
+
+
+async def _run(in_flight: int) -> list[list[int]]:
+    rec = _Recorder(in_flight)
+    batches: _Batches = _Batches(max_records=500)
+    loop = asyncio.ensure_future(RiskAgents._process_loop(rec, "account", None, batches))  # type: ignore[arg-type]
+    try:
+        for first in (1, 4):  # two batches, each left waiting for the broker
+            for event in range(first, first + 3):
+                await batches.put(event)  # type: ignore[arg-type]
+            await asyncio.sleep(0.02)
+        for event in (7, 8, 9):  # arriving one by one while those two wait
+            await batches.put(event)  # type: ignore[arg-type]
+            await asyncio.sleep(0.02)
+        for gate in list(rec.gates):
+            gate.set()
+        await asyncio.sleep(0.05)
+        return rec.taken
+    finally:
+        loop.cancel()
+        for gate in rec.gates:
+            gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await loop
+
+
+async def test_records_arriving_while_the_limit_of_batches_waits_for_the_broker_make_one_batch() -> None:
+    assert await _run(in_flight=2) == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+
+
+async def test_with_room_in_flight_each_arrival_is_a_batch_of_its_own() -> None:
+    # the behaviour that kept a worker behind at 1,000 events/s with 8 in flight: many small batches
+    assert await _run(in_flight=8) == [[1, 2, 3], [4, 5, 6], [7], [8], [9]]
