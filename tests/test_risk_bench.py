@@ -136,12 +136,14 @@ def test_bench_risk_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
 
 
 def test_risk_phases_reports_capacity_latency_and_full_collections(kafka: EmbeddedKafka) -> None:
-    """``python -m pipeline.devtools.risk_phases`` (the A/B of two checkouts), small: every event of
-    each phase decided, the numbers in order, and the worker's generation-2 collections counted (a
+    """``python -m pipeline.devtools.risk_phases`` (the A/B of two checkouts), small, on a stream
+    simulated for more events than the phases send: each phase sends what it names and every event
+    is decided, the numbers are in order, and the worker's generation-2 collections are counted (a
     worker makes several while it starts: the models, then the frozen heap)."""
     from pipeline.devtools.risk_phases import run_phases
 
-    r = run_phases(pre=300, capacity=300, low=150, rate=100.0, broker=kafka)
+    r = run_phases(pre=300, capacity=300, low=150, rate=100.0, broker=kafka, simulate=900)
+    assert r["simulated"] == 900 and r["low_decided"] == 150  # the phases take only what they name
     assert r["capacity_events_per_s"] > 0
     assert 0 < r["low_p50_ms"] <= r["low_p90_ms"] <= r["low_p99_ms"]
     assert r["gc2_count_total"] >= 1 and r["gc2_seconds_total"] > 0

@@ -65,7 +65,7 @@ def run_phases(
     total = max(simulate or 0, pre + capacity + low)
     print(f"simulating {total} events ...", file=sys.stderr)
     events = rb.stream(total)
-    phases = events[:pre], events[pre : pre + capacity], events[pre + capacity :]
+    phases = events[:pre], events[pre : pre + capacity], events[pre + capacity : pre + capacity + low]
     with BenchEnv("risk-phases", broker=broker, bench_dir=BENCH_DIR / "risk-phases") as env:
         d = env.deployment("risk", role="risk", risk_grace_ms=rb.GRACE_MS)
         settings = d.settings()
@@ -109,6 +109,7 @@ def run_phases(
                 "capacity_events": capacity,
                 "capacity_events_per_s": round(capacity / seconds[1], 1) if capacity else None,
                 "low_events": low,
+                "low_decided": len(lat),
                 "low_rate": rate,
                 **{f"low_p{int(q * 100)}_ms": _quantile(lat, q) for q in (0.5, 0.9, 0.99)},
                 "gc2_count_low": gc_after[0] - gc_before[0],
