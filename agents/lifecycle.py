@@ -266,6 +266,9 @@ def serve_pages(
             "assigned": len(app.consumer.assignment()),
             "assignments": life.assignments,
             "gc_frozen_objects": frozen_objects(),
+            # allocations between young collections, then young collections per older one
+            # (SURGE_GC_YOUNG_THRESHOLD_OBJECTS)
+            "gc_thresholds": list(gc.get_threshold()),
             # "uvloop" or "asyncio" (SURGE_EVENT_LOOP)
             "event_loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import sys
@@ -74,6 +75,9 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
     # the embedding and model threads give the GIL up at each native call and wait to take it back
     # while the event loop runs (docs/architecture.md, "Threads and the GIL")
     sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
+    # short-lived objects die in the young generation instead of setting off full collections
+    # (docs/architecture.md, "Garbage collection")
+    gc.set_threshold(settings.gc_young_threshold_objects, *gc.get_threshold()[1:])
     if settings.role == "risk":
         from agents.risk import build_risk_app
 

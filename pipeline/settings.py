@@ -196,6 +196,15 @@ class Settings(BaseSettings):
         "(CPython's default is 5): shorter lets the embedding and model threads take it back sooner "
         "after each native call while the event loop runs Python",
     )
+    gc_young_threshold_objects: int = Field(
+        50_000,
+        ge=700,
+        description="net allocations between young garbage collections (CPython's first threshold; its "
+        "default is 700): at 700 a busy worker collects every few hundred microseconds, so objects that "
+        "live a few milliseconds (sends waiting for their acks, records in a batch) are promoted to the "
+        "oldest generation and set off a full collection, which stops the event loop, about once a "
+        "second; at 50,000 they die young",
+    )
     event_loop: Literal["asyncio", "uvloop"] = Field(
         "uvloop",
         description="the worker's event loop: uvloop's (libuv, in C: each record's futures, callbacks and "

@@ -90,6 +90,8 @@ async def test_a_request_read_again_gets_the_recorded_reply(deployment) -> None:
     status = d.workers[0].status()
     frozen = status["gc_frozen_objects"]
     assert isinstance(frozen, int) and frozen > 50_000, frozen
+    # young collections only every 50,000 allocations (SURGE_GC_YOUNG_THRESHOLD_OBJECTS)
+    assert status["gc_thresholds"][0] == 50_000
     # a worker started with the defaults runs its event loop on uvloop (SURGE_EVENT_LOOP)
     assert status["event_loop"] == "uvloop"
     # and every collection since is timed (surge_gc_pause_seconds)

@@ -28,6 +28,33 @@ def test_a_worker_shortens_the_gil_switch_interval(tmp_path: Path) -> None:
         sys.setswitchinterval(before)
 
 
+def _promoted_to_the_oldest(in_flight: int, churn: int) -> int:
+    """How many of ``in_flight`` objects (a batch's sends waiting for their acks) reach the oldest
+    generation while ``churn`` more are made (the next records, read meanwhile)."""
+    gc.collect()
+    held = [["in", i] for i in range(in_flight)]  # lists: always tracked
+    meanwhile = [["next", i] for i in range(churn)]
+    oldest = {id(o) for o in gc.get_objects(2)}
+    del meanwhile
+    return sum(id(o) in oldest for o in held)
+
+
+def test_a_worker_lets_objects_living_for_a_batch_die_young(tmp_path: Path) -> None:
+    """With CPython's default threshold (700) objects that outlive two young collections (a few
+    milliseconds of a busy worker) reach the oldest generation, whose collections walk every state a
+    risk worker holds with the event loop stopped; a worker's threshold keeps them young."""
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        assert _promoted_to_the_oldest(5_000, 20_000) > 4_000  # the default promotes them
+        s = Settings.load(role="intake", model="echo", data_dir=str(tmp_path))
+        build_worker_app(s)
+        assert gc.get_threshold() == (50_000, 10, 10)
+        assert _promoted_to_the_oldest(5_000, 20_000) == 0
+    finally:
+        gc.set_threshold(*before)
+
+
 @pytest.mark.parametrize(("choice", "policy"), [("uvloop", "uvloop"), ("asyncio", "asyncio")])
 def test_a_worker_sets_the_event_loop_it_is_told_to(tmp_path: Path, choice: str, policy: str) -> None:
     before = asyncio.get_event_loop_policy()
