@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -53,10 +53,11 @@ from pipeline.routing import (
     RoutingRules,
     Templated,
     embed_batch_limit,
+    expired_before_embedding,
     route,
-    take_arrivals,
+    take_live_arrivals,
 )
-from pipeline.scheduler import QueuedItem, Scheduler
+from pipeline.scheduler import DeadlinePolicy, QueuedItem, Scheduler
 from pipeline.terms import PRIORITIES, RANK, Priority
 
 log = logging.getLogger("surge.inference")
@@ -117,6 +118,8 @@ class Inference:
         self.ready = asyncio.Event()
         self.loaded = False
         self.use_vectors = False
+        #: items of the embedding call under way (taken from the arrivals, not yet queued), per class
+        self._embedding: dict[str, int] = {}
         #: admitted items waiting to be embedded, per class
         self._arrivals: dict[str, deque[Pending]] = {priority: deque() for priority in PRIORITIES}
         self._arrived = asyncio.Event()
@@ -171,8 +174,10 @@ class Inference:
     def waiting(self, priority: str | None = None) -> int:
         """Items admitted and not yet in a batch: waiting to be embedded or queued."""
         if priority is None:
-            return sum(len(waiting) for waiting in self._arrivals.values()) + self.scheduler.depth()
-        return len(self._arrivals[priority]) + self.scheduler.depth(Priority(priority))
+            arrived = sum(len(waiting) for waiting in self._arrivals.values())
+            return arrived + sum(self._embedding.values()) + self.scheduler.depth()
+        embedding = self._embedding.get(priority, 0)
+        return len(self._arrivals[priority]) + embedding + self.scheduler.depth(Priority(priority))
 
     def status(self) -> dict[str, object]:
         """What /status shows: queue depths, paused topics, open leaders, model calls."""
@@ -375,67 +380,116 @@ class Inference:
             del self._inflight[key]
 
     # ---- embedding, cache, merge ------------------------------------------------------------------
-    def _take_arrivals(self) -> list[Pending]:
-        """The next embedding batch (:func:`pipeline.routing.take_arrivals`), sized to about
-        ``embed_budget_ms`` of measured embedding time."""
+    def _take_arrivals(self) -> tuple[list[Pending], list[Pending]]:
+        """The next embedding batch (:func:`pipeline.routing.take_live_arrivals`), sized to about
+        ``embed_budget_ms`` of measured embedding time, and the items met on the way whose deadline
+        has passed: they get ``deadline_exceeded`` without being embedded (docs/architecture.md,
+        "Degradation")."""
         s = self.rt.settings
         limit = embed_batch_limit(s.embed_max_batch_size, s.embed_budget_ms, self.embed_ms_per_item)
-        return take_arrivals(self._arrivals, limit)
+        now = now_ms()
+        policy = self.scheduler.config.deadline_policy
+
+        def expired(pending: Pending) -> bool:
+            work = pending.work
+            rejects = policy[work.priority] is DeadlinePolicy.REJECT
+            return expired_before_embedding(work.deadline_at_ms, rejects, now)
+
+        return take_live_arrivals(self._arrivals, limit, expired)
+
+    def _missed(
+        self, pending: Pending, deadline_at_ms: float | None, priority: str, now: float
+    ) -> list[Outcome]:
+        """The ``deadline_exceeded`` replies of an item whose deadline passed (and of its followers),
+        counted as a miss (unless the client set the deadline itself)."""
+        late = int(now - (deadline_at_ms or now))
+        deadline = int((deadline_at_ms or now) - pending.work.created_at_ms)
+        missed = DeadlineExceededError(deadline, late, priority)
+        self.rt.metrics.deadline_missed.labels(priority=priority).inc()
+        if not pending.work.client_deadline:
+            self.misses.record(True, now)
+        done = [Outcome.error(pending, missed)]
+        done.extend(Outcome.error(follower, missed) for follower, _ in self.merges.close(pending.lead_id))
+        return done
 
     async def embed_loop(self) -> None:
         """Embed arrivals in batches, then answer from cache, merge, or queue each one."""
         await self.ready.wait()
-        loop = asyncio.get_running_loop()
-        s = self.rt.settings
         while True:
             await self._arrived.wait()
             self._arrived.clear()
-            items = self._take_arrivals()
+            items, expired = self._take_arrivals()
             if any(self._arrivals.values()):
                 self._arrived.set()
+            if expired:
+                now = now_ms()
+                late: list[Outcome] = []
+                for pending in expired:
+                    late += self._missed(
+                        pending, pending.work.deadline_at_ms, str(pending.work.priority), now
+                    )
+                self._room.set()
+                await self.replies.send(late, batch_size=0)
             if not items:
                 continue
-            want = [
-                i
-                for i, pending in enumerate(items)
-                if self.embedder is not None
-                and (self.use_vectors or s.dedup_enabled or (s.cache_enabled and pending.work.request.cache))
-                and (self.use_vectors or is_embeddable(pending.inp.text, self.embedder.multilingual))
-            ]
-            if want:
-                assert self.embedder is not None
-                self.rt.metrics.embed_batch_size.observe(len(want))
-                self.embed_calls += 1
-                t0 = time.perf_counter()
-                try:
-                    vecs = await loop.run_in_executor(
-                        self.embed_pool, self.embedder.embed, [items[i].inp.text for i in want]
-                    )
-                    self.embed_ms_per_item = _ewma(
-                        self.embed_ms_per_item, (time.perf_counter() - t0) * 1000 / len(want)
-                    )
-                except Exception:
-                    log.exception("embedding %d questions failed; they go on without vectors", len(want))
-                else:
-                    for row, i in enumerate(want):
-                        items[i].vector = vecs[row]
-                        if self.use_vectors:
-                            items[i].inp = replace(items[i].inp, vector=vecs[row])
-            done: list[Outcome] = []
-            templated: list[Pending] = []
-            found = await self._lookups(items)
-            for pending, hit in zip(items, found, strict=True):
-                try:
-                    with event_context(pending.event):
-                        self._route(pending, hit, done, templated)
-                except Exception as exc:
-                    log.exception("routing %s failed", pending.req_id)
-                    done.append(Outcome.error(pending, SurgeError(f"internal error: {type(exc).__name__}")))
+            # admission counts them until they are queued (or answered)
+            self._embedding = dict(Counter(str(pending.work.priority) for pending in items))
+            try:
+                await self._embed(items)
+                done, templated = await self._route_all(items)
+            finally:
+                self._embedding = {}
             if templated:
                 done += await self._templates(templated)
             self._room.set()
             if done:
                 await self.replies.send(done, batch_size=0)
+
+    async def _embed(self, items: list[Pending]) -> None:
+        """Give each item that needs one its vector (one embedding call, off the event loop); an item
+        the model can take the vector of carries it into its model input too."""
+        s = self.rt.settings
+        embedder = self.embedder
+        if embedder is None:
+            return
+        want = [
+            i
+            for i, pending in enumerate(items)
+            if (self.use_vectors or s.dedup_enabled or (s.cache_enabled and pending.work.request.cache))
+            and (self.use_vectors or is_embeddable(pending.inp.text, embedder.multilingual))
+        ]
+        if not want:
+            return
+        self.rt.metrics.embed_batch_size.observe(len(want))
+        self.embed_calls += 1
+        t0 = time.perf_counter()
+        try:
+            vecs = await asyncio.get_running_loop().run_in_executor(
+                self.embed_pool, embedder.embed, [items[i].inp.text for i in want]
+            )
+        except Exception:
+            log.exception("embedding %d questions failed; they go on without vectors", len(want))
+            return
+        self.embed_ms_per_item = _ewma(self.embed_ms_per_item, (time.perf_counter() - t0) * 1000 / len(want))
+        for row, i in enumerate(want):
+            items[i].vector = vecs[row]
+            if self.use_vectors:
+                items[i].inp = replace(items[i].inp, vector=vecs[row])
+
+    async def _route_all(self, items: list[Pending]) -> tuple[list[Outcome], list[Pending]]:
+        """Look the embedded items up and route each one: the replies due now, and those sent to the
+        template answer."""
+        done: list[Outcome] = []
+        templated: list[Pending] = []
+        found = await self._lookups(items)
+        for pending, hit in zip(items, found, strict=True):
+            try:
+                with event_context(pending.event):
+                    self._route(pending, hit, done, templated)
+            except Exception as exc:
+                log.exception("routing %s failed", pending.req_id)
+                done.append(Outcome.error(pending, SurgeError(f"internal error: {type(exc).__name__}")))
+        return done, templated
 
     def _semantic_ok(self, pending: Pending) -> bool:
         return pending.vector is not None and (
@@ -555,16 +609,7 @@ class Inference:
             now = now_ms()
             done: list[Outcome] = []
             for expired in batch.expired:
-                pending: Pending = expired.payload
-                late = int(now - (expired.deadline_at_ms or now))
-                deadline = int((expired.deadline_at_ms or now) - pending.work.created_at_ms)
-                missed = DeadlineExceededError(deadline, late, str(expired.priority))
-                self.rt.metrics.deadline_missed.labels(priority=str(expired.priority)).inc()
-                if not pending.work.client_deadline:
-                    self.misses.record(True, now)
-                done.append(Outcome.error(pending, missed))
-                for follower, _ in self.merges.close(pending.lead_id):
-                    done.append(Outcome.error(follower, missed))
+                done += self._missed(expired.payload, expired.deadline_at_ms, str(expired.priority), now)
             if done:
                 await self.replies.send(done, batch_size=0)
             if batch.items:

@@ -180,11 +180,30 @@ def take_arrivals(arrivals: Mapping[str, deque[T]], limit: int) -> list[T]:
     """Pop the next embedding batch from the per-class ``arrivals``: up to ``limit`` items, highest
     classes first, each class in arrival order. A batch holding real-time items holds nothing else,
     so they never wait for a long embedding call."""
+    return take_live_arrivals(arrivals, limit, lambda _: False)[0]
+
+
+def take_live_arrivals(
+    arrivals: Mapping[str, deque[T]], limit: int, expired: Callable[[T], bool]
+) -> tuple[list[T], list[T]]:
+    """:func:`take_arrivals`, leaving out the items ``expired`` says are past their deadline; returns
+    (the batch to embed, the expired items met on the way). Expired items do not count toward
+    ``limit``: an expired request costs a reply, not an embedding, so a backlog of them (work read
+    after a surge, its deadlines long gone) drains at the speed of replies rather than of MiniLM."""
     taken: list[T] = []
+    late: list[T] = []
     for priority in PRIORITIES:
         waiting = arrivals[priority]
         while waiting and len(taken) < limit:
-            taken.append(waiting.popleft())
+            item = waiting.popleft()
+            (late if expired(item) else taken).append(item)
         if taken and priority == Priority.REALTIME:
             break
-    return taken
+    return taken, late
+
+
+def expired_before_embedding(deadline_at_ms: float | None, rejects_late: bool, now_ms: float) -> bool:
+    """Whether an item leaves before its embedding with ``deadline_exceeded``: its deadline has passed
+    (as the scheduler counts it: strictly before ``now_ms``) and its class rejects late work
+    (``DeadlinePolicy.REJECT``; a class that moves late work to a lower one keeps it)."""
+    return rejects_late and deadline_at_ms is not None and deadline_at_ms < now_ms

@@ -23,8 +23,10 @@ from pipeline.routing import (
     RoutingRules,
     Templated,
     embed_batch_limit,
+    expired_before_embedding,
     route,
     take_arrivals,
+    take_live_arrivals,
 )
 from pipeline.scheduler import QueuedItem, Scheduler, SchedulerConfig
 from pipeline.terms import PRIORITIES, Priority, Tier
@@ -251,6 +253,31 @@ def test_the_arrivals_take_fills_from_the_highest_class_down_in_order() -> None:
     assert list(waiting["batch"]) == ["b2"] and list(waiting["offline"]) == ["o1"]
     assert take_arrivals(waiting, limit=3) == ["b2", "o1"]
     assert take_arrivals(waiting, limit=3) == []
+
+
+def test_expired_arrivals_leave_without_taking_a_place_in_the_embedding_batch() -> None:
+    waiting = arrivals(realtime=["r1-late"], interactive=["i1-late", "i2", "i3-late", "i4"], batch=["b1"])
+    taken, late = take_live_arrivals(waiting, 2, lambda item: item.endswith("-late"))
+    # the expired real-time item does not make this a real-time batch; expired ones cost no place
+    assert taken == ["i2", "i4"]
+    assert late == ["r1-late", "i1-late", "i3-late"]
+    assert list(waiting["batch"]) == ["b1"]
+    assert take_live_arrivals(waiting, 2, lambda item: True) == ([], ["b1"])
+
+
+@pytest.mark.parametrize(
+    ("deadline_at_ms", "rejects_late", "now_ms", "expired"),
+    [
+        (1_000, True, 1_001, True),  # past
+        (1_000, True, 1_000, False),  # exactly now: still in time, as the scheduler counts it
+        (1_000, False, 5_000, False),  # a class that moves late work down keeps it
+        (None, True, 10**12, False),  # offline: no deadline
+    ],
+)
+def test_an_item_leaves_before_embedding_only_past_a_deadline_its_class_rejects_at(
+    deadline_at_ms: int | None, rejects_late: bool, now_ms: float, expired: bool
+) -> None:
+    assert expired_before_embedding(deadline_at_ms, rejects_late, now_ms) is expired
 
 
 def test_the_arrivals_take_keeps_to_the_limit_within_real_time() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.metrics import scrape
 from pipeline.records import now_ms
 from tests.conftest import request
 
@@ -105,6 +106,37 @@ async def test_admitted_work_stays_bounded_and_the_backlog_waits_in_kafka(deploy
         await asyncio.sleep(0.1)
     assert 0 < seen <= 16, f"admitted work must stay within the class limit, saw {seen}"
     assert all(f.result().status == "ok" for f in futs)
+
+
+async def test_work_whose_deadline_passed_in_kafka_is_answered_without_being_embedded(deployment) -> None:
+    """After a surge the work topics hold requests whose deadlines passed while they waited there:
+    each gets ``deadline_exceeded`` without costing an embedding (MiniLM, the default path's dearest
+    step), so such a backlog drains at the speed of replies and the worker recovers."""
+    d = deployment(
+        model="echo",
+        echo_delay_ms="700",  # each model call outlasts an interactive deadline (500 ms)
+        max_batch_size="1",
+        base_batch_size="1",
+        queue_limit_per_class="1",  # admission counts the item being embedded too: never overloaded
+        embed_queue_limit="1",
+        rate_limit_enabled="false",
+        degrade_enabled="false",
+    )
+    w = d.worker()
+    c = await d.client()
+    futs = [
+        await c.submit(request(f"late-{i}", f"u{i % 6}", f"a question of its own, number {i}"))
+        for i in range(16)
+    ]
+    await c.producer.flush()
+    replies = await d.replies(futs, 90)
+    codes = [r.error.code if r.error is not None else r.status for r in replies]
+    expired = codes.count("deadline_exceeded")
+    assert set(codes) <= {"ok", "deadline_exceeded"}, codes
+    assert expired >= 10, codes  # admission held the backlog in Kafka past its deadlines
+    embedded = scrape(w.metrics())[("surge_embed_batch_size_sum", ())]
+    # the answered ones were embedded, and at most one more per model call (expired while queued)
+    assert embedded <= 2 * codes.count("ok") + 1, (embedded, codes)
 
 
 async def test_a_stalled_backlog_sent_within_the_rate_is_not_rate_limited(deployment) -> None:
