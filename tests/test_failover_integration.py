@@ -94,9 +94,11 @@ async def test_a_request_read_again_gets_the_recorded_reply(deployment) -> None:
     assert status["gc_thresholds"][0] == 50_000
     # a worker started with the defaults runs its event loop on uvloop (SURGE_EVENT_LOOP)
     assert status["event_loop"] == "uvloop"
-    # and every collection since is timed (surge_gc_pause_seconds)
-    young = scrape(d.workers[0].metrics())[("surge_gc_pause_seconds_count", (("generation", "0"),))]
-    assert young > 0, "no garbage collection was timed"
+    # and every collection since is timed (surge_gc_pause_seconds): young ones are rare with the
+    # worker's threshold, but Faust's stores collect once per table on each assignment
+    samples = scrape(d.workers[0].metrics())
+    timed = sum(samples[("surge_gc_pause_seconds_count", (("generation", str(g)),))] for g in range(3))
+    assert timed > 0, "no garbage collection was timed"
 
 
 async def test_a_request_read_again_while_in_flight_gets_one_reply(deployment) -> None:

@@ -460,30 +460,26 @@ def test_504_when_the_deadline_passes_before_inference(stack: Stack) -> None:
 
 
 @pytest.mark.integration
-async def test_503_when_the_queue_is_full(stack: Stack) -> None:
+async def test_a_burst_beyond_the_queue_waits_in_kafka_and_is_answered(stack: Stack) -> None:
+    """The slow worker queues one item per class and takes 500 ms a call: a burst of eight through the
+    gateway is not shed (admission counts the item being embedded too), it waits in Kafka and every
+    request gets its answer. Shedding at the gateway's own bound, and ``overloaded`` as HTTP 503, are
+    tested below and in ``test_error_codes_map_to_http_statuses``."""
     client = openai.AsyncOpenAI(base_url=f"{stack.gw_slow.url}/v1", api_key="x", max_retries=0, timeout=30)
 
-    async def ask(i: int) -> int:
-        try:
-            await client.chat.completions.create(
-                model="echo",
-                messages=[{"role": "user", "content": f"distinct question {i} about cards"}],
-                user=f"gw-burst-{i}",
-            )
-            return 200
-        except openai.APIStatusError as exc:
-            assert exc.code == "overloaded" and exc.response.headers["Retry-After"] == "1"
-            assert "queue is full" in exc.message and "limit 1" in exc.message
-            return exc.status_code
+    async def ask(i: int) -> str:
+        resp = await client.chat.completions.create(
+            model="echo",
+            messages=[{"role": "user", "content": f"distinct question {i} about cards"}],
+            user=f"gw-burst-{i}",
+        )
+        return resp.choices[0].message.content or ""
 
     try:
-        statuses = await asyncio.gather(*(ask(i) for i in range(20)))
+        answers = await asyncio.gather(*(ask(i) for i in range(8)))
     finally:
         await client.close()
-    assert set(statuses) <= {200, 503}
-    # the worker pushes back into Kafka while its queue is full (the backlog waits there); it sheds
-    # with ``overloaded`` the arrivals that come in together while one is being embedded
-    assert statuses.count(503) >= 1 and statuses.count(200) >= 1, statuses
+    assert [f"distinct question {i} about cards" in a for i, a in enumerate(answers)] == [True] * 8, answers
 
 
 @pytest.mark.integration
