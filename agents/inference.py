@@ -55,7 +55,7 @@ from pipeline.routing import (
     embed_batch_limit,
     expired_before_embedding,
     route,
-    take_live_arrivals,
+    take_arrivals,
 )
 from pipeline.scheduler import DeadlinePolicy, QueuedItem, Scheduler
 from pipeline.terms import PRIORITIES, RANK, Priority
@@ -381,7 +381,7 @@ class Inference:
 
     # ---- embedding, cache, merge ------------------------------------------------------------------
     def _take_arrivals(self) -> tuple[list[Pending], list[Pending]]:
-        """The next embedding batch (:func:`pipeline.routing.take_live_arrivals`), sized to about
+        """The next embedding batch (:func:`pipeline.routing.take_arrivals`), sized to about
         ``embed_budget_ms`` of measured embedding time, and the items met on the way whose deadline
         has passed: they get ``deadline_exceeded`` without being embedded (docs/architecture.md,
         "Degradation")."""
@@ -395,7 +395,7 @@ class Inference:
             rejects = policy[work.priority] is DeadlinePolicy.REJECT
             return expired_before_embedding(work.deadline_at_ms, rejects, now)
 
-        return take_live_arrivals(self._arrivals, limit, expired)
+        return take_arrivals(self._arrivals, limit, expired)
 
     def _missed(
         self, pending: Pending, deadline_at_ms: float | None, priority: str, now: float

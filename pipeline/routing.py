@@ -176,20 +176,15 @@ def embed_batch_limit(max_batch_size: int, budget_ms: float, ms_per_item: float)
     return max(MIN_EMBED_BATCH, min(max_batch_size, int(budget_ms / ms_per_item)))
 
 
-def take_arrivals(arrivals: Mapping[str, deque[T]], limit: int) -> list[T]:
-    """Pop the next embedding batch from the per-class ``arrivals``: up to ``limit`` items, highest
-    classes first, each class in arrival order. A batch holding real-time items holds nothing else,
-    so they never wait for a long embedding call."""
-    return take_live_arrivals(arrivals, limit, lambda _: False)[0]
-
-
-def take_live_arrivals(
+def take_arrivals(
     arrivals: Mapping[str, deque[T]], limit: int, expired: Callable[[T], bool]
 ) -> tuple[list[T], list[T]]:
-    """:func:`take_arrivals`, leaving out the items ``expired`` says are past their deadline; returns
-    (the batch to embed, the expired items met on the way). Expired items do not count toward
-    ``limit``: an expired request costs a reply, not an embedding, so a backlog of them (work read
-    after a surge, its deadlines long gone) drains at the speed of replies rather than of MiniLM."""
+    """Pop the next embedding batch from the per-class ``arrivals``: up to ``limit`` items, highest
+    classes first, each class in arrival order. A batch holding real-time items holds nothing else,
+    so they never wait for a long embedding call. Returns (the batch, the items ``expired`` says are
+    past their deadline, met on the way). Expired items take no place in the batch: an expired
+    request costs a reply, not an embedding, so a backlog of them (work read after a surge, its
+    deadlines long gone) drains at the speed of replies rather than of MiniLM."""
     taken: list[T] = []
     late: list[T] = []
     for priority in PRIORITIES:

@@ -26,7 +26,6 @@ from pipeline.routing import (
     expired_before_embedding,
     route,
     take_arrivals,
-    take_live_arrivals,
 )
 from pipeline.scheduler import QueuedItem, Scheduler, SchedulerConfig
 from pipeline.terms import PRIORITIES, Priority, Tier
@@ -241,28 +240,35 @@ def arrivals(**waiting: list[str]) -> dict[str, deque[str]]:
     return {priority: deque(waiting.get(priority, [])) for priority in PRIORITIES}
 
 
+def take(waiting: dict[str, deque[str]], limit: int) -> list[str]:
+    """The next embedding batch when nothing has expired."""
+    taken, late = take_arrivals(waiting, limit, lambda _: False)
+    assert late == []
+    return taken
+
+
 def test_the_arrivals_take_stops_at_real_time_items() -> None:
     waiting = arrivals(realtime=["r1", "r2"], interactive=["i1"], batch=["b1"])
-    assert take_arrivals(waiting, limit=10) == ["r1", "r2"]
+    assert take(waiting, 10) == ["r1", "r2"]
     assert list(waiting["interactive"]) == ["i1"] and list(waiting["batch"]) == ["b1"]
 
 
 def test_the_arrivals_take_fills_from_the_highest_class_down_in_order() -> None:
     waiting = arrivals(interactive=["i1", "i2"], batch=["b1", "b2"], offline=["o1"])
-    assert take_arrivals(waiting, limit=3) == ["i1", "i2", "b1"]
+    assert take(waiting, 3) == ["i1", "i2", "b1"]
     assert list(waiting["batch"]) == ["b2"] and list(waiting["offline"]) == ["o1"]
-    assert take_arrivals(waiting, limit=3) == ["b2", "o1"]
-    assert take_arrivals(waiting, limit=3) == []
+    assert take(waiting, 3) == ["b2", "o1"]
+    assert take(waiting, 3) == []
 
 
 def test_expired_arrivals_leave_without_taking_a_place_in_the_embedding_batch() -> None:
     waiting = arrivals(realtime=["r1-late"], interactive=["i1-late", "i2", "i3-late", "i4"], batch=["b1"])
-    taken, late = take_live_arrivals(waiting, 2, lambda item: item.endswith("-late"))
+    taken, late = take_arrivals(waiting, 2, lambda item: item.endswith("-late"))
     # the expired real-time item does not make this a real-time batch; expired ones cost no place
     assert taken == ["i2", "i4"]
     assert late == ["r1-late", "i1-late", "i3-late"]
     assert list(waiting["batch"]) == ["b1"]
-    assert take_live_arrivals(waiting, 2, lambda item: True) == ([], ["b1"])
+    assert take_arrivals(waiting, 2, lambda item: True) == ([], ["b1"])
 
 
 @pytest.mark.parametrize(
@@ -282,9 +288,9 @@ def test_an_item_leaves_before_embedding_only_past_a_deadline_its_class_rejects_
 
 def test_the_arrivals_take_keeps_to_the_limit_within_real_time() -> None:
     waiting = arrivals(realtime=["r1", "r2", "r3"], interactive=["i1"])
-    assert take_arrivals(waiting, limit=2) == ["r1", "r2"]
-    assert take_arrivals(waiting, limit=2) == ["r3"]
-    assert take_arrivals(waiting, limit=2) == ["i1"]
+    assert take(waiting, 2) == ["r1", "r2"]
+    assert take(waiting, 2) == ["r3"]
+    assert take(waiting, 2) == ["i1"]
 
 
 @pytest.mark.parametrize(
