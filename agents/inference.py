@@ -286,7 +286,7 @@ class Inference:
         self._inflight[key] = pending
         degrade_plan = self._plan(pending, self._level())
         # a template is answered after the embedding stage: from the cache when it can, else from
-        # the template model with the item's vector, in a batch, off the event loop
+        # the template model (with the item's vector only if it reads one), in a batch, off the loop
         pending.template = degrade_plan.use_template and self.template_model is not None
         self._arrivals[priority].append(pending)
         self._arrived.set()
@@ -452,11 +452,16 @@ class Inference:
         embedder = self.embedder
         if embedder is None:
             return
+        # an item level 3 sends to a template that reads no vector skips the embedding: the level
+        # sheds MiniLM's cost, at the price of semantic cache hits (exact ones are still looked up)
+        template = self.template_model
+        shed = template is not None and not template.template_needs_vectors()
         want = [
             i
             for i, pending in enumerate(items)
             if (self.use_vectors or s.dedup_enabled or (s.cache_enabled and pending.work.request.cache))
             and (self.use_vectors or is_embeddable(pending.inp.text, embedder.multilingual))
+            and not (shed and pending.template)
         ]
         if not want:
             return

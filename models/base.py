@@ -85,6 +85,12 @@ class ModelBackend(abc.ABC):
         event loop); a backend that classifies overrides it to do one call for the batch."""
         return [self.template_answer(inp) for inp in batch]
 
+    def template_needs_vectors(self) -> bool:
+        """Whether :meth:`template_answers` reads :attr:`ModelInput.vector`. When it does not, an item
+        that degradation level 3 sends to the template skips the embedding stage (the worker's dearest
+        step on the default path), so the level sheds that cost (docs/architecture.md, "Degradation")."""
+        return False
+
     def peek_version(self) -> str:
         """The version :meth:`load` will stamp, computed without loading (cheap: file hashes).
 

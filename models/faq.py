@@ -6,6 +6,10 @@ banking intents; those probabilities are blended with a nearest-neighbour vote o
 questions' embeddings (a second matrix multiply). The most likely intent's canned answer (``faq_data/intents.json``, written for this
 project) is the reply; below ``confidence_floor`` the answerer says it did not understand.
 
+The template of degradation level 3 is a second linear layer over the n-grams alone, with no
+embedding: a few points less accurate, a thousandth of the cost, so that level sheds MiniLM
+(docs/architecture.md, "Degradation").
+
 Weights are trained by :func:`models.faq_train.train` (``surge faq train``) and stored without pickle:
 ``faq_weights.npz`` (float arrays) and ``faq_vocab.json`` (labels, n-gram vocabularies, settings).
 """
@@ -44,6 +48,10 @@ NOT_SURE_ANSWER = (
 #: answers fall below 0.40 (accuracy above it 95.3%, against 94.3% overall); 0.45 would refuse 3.6%.
 #: Off-topic English and Chinese questions tried by hand scored 0.12-0.30.
 DEFAULT_CONFIDENCE_FLOOR = 0.40
+#: The same for the level-3 template's lexical layer (n-grams alone), whose probabilities are flatter:
+#: on the held-out split 2.6 % of its answers fall below 0.25 (accuracy above it 93.4 %, against 91.7 %
+#: overall; 0.40 would refuse 6.6 %); the off-topic questions tried by hand scored 0.04-0.14.
+DEFAULT_TEMPLATE_CONFIDENCE_FLOOR = 0.25
 
 _WORD_RE = re.compile(r"(?u)\b\w\w+\b")
 _SPACES_RE = re.compile(r"\s\s+")
@@ -135,6 +143,12 @@ class Blend:
     weight: float = 0.0
 
 
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    logits = logits - logits.max(axis=1, keepdims=True)
+    exp = np.exp(logits)
+    return exp / exp.sum(axis=1, keepdims=True)
+
+
 @dataclass(frozen=True)
 class FAQModel:
     """The trained classifier: features ``[embedding * emb_scale | word TF-IDF | char TF-IDF]``, one
@@ -151,6 +165,10 @@ class FAQModel:
     knn_vectors: np.ndarray  # (n_examples, emb_dim) float32, unit rows
     knn_labels: np.ndarray  # (n_examples,) int: column in ``labels``
     blend: Blend = Blend()
+    #: the level-3 template's own linear layer over ``[word TF-IDF | char TF-IDF]`` alone (no embedding),
+    #: (n_word + n_char, n_labels) float32, and its bias; None in weights trained before it existed
+    lexical_weight: np.ndarray | None = None
+    lexical_bias: np.ndarray | None = None
 
     def features(self, texts: Sequence[str], embeddings: np.ndarray) -> sparse.csr_matrix:
         """The feature rows of ``texts`` given their (n, dim) unit embeddings."""
@@ -163,12 +181,25 @@ class FAQModel:
             format="csr",
         )
 
+    def lexical_features(self, texts: Sequence[str]) -> sparse.csr_matrix:
+        """The n-gram rows of ``texts`` alone: what the lexical layer reads."""
+        return sparse.hstack([self.word.transform(texts), self.char.transform(texts)], format="csr")
+
     def linear_probabilities(self, texts: Sequence[str], embeddings: np.ndarray) -> np.ndarray:
         """Softmax of the linear layer: an (n, n_labels) float array."""
-        logits = np.asarray(self.features(texts, embeddings) @ self.weight) + self.bias
-        logits -= logits.max(axis=1, keepdims=True)
-        exp = np.exp(logits)
-        return exp / exp.sum(axis=1, keepdims=True)
+        return _softmax(np.asarray(self.features(texts, embeddings) @ self.weight) + self.bias)
+
+    @property
+    def has_lexical(self) -> bool:
+        """Whether these weights carry the lexical layer (the level-3 template without an embedding)."""
+        return self.lexical_weight is not None and self.lexical_bias is not None
+
+    def lexical_probabilities(self, texts: Sequence[str]) -> np.ndarray:
+        """Probabilities from the n-grams alone, no embedding: about a thousandth of MiniLM's cost per
+        question, a few points less accurate (the training report's ``template_accuracy``)."""
+        if self.lexical_weight is None or self.lexical_bias is None:
+            raise ModelError("these FAQ weights have no lexical layer; retrain with `surge faq train`")
+        return _softmax(np.asarray(self.lexical_features(texts) @ self.lexical_weight) + self.lexical_bias)
 
     def knn_probabilities(self, embeddings: np.ndarray, k: int, temperature: float) -> np.ndarray:
         """The similarity-weighted vote of the ``k`` nearest training questions: (n, n_labels)."""
@@ -211,15 +242,18 @@ class FAQModel:
             "knn_weight": self.blend.weight,
         }
         (out_dir / VOCAB_FILE).write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-        np.savez_compressed(
-            out_dir / WEIGHTS_FILE,
-            weight=self.weight.astype(np.float16),
-            bias=self.bias.astype(np.float32),
-            word_idf=self.word.idf.astype(np.float32),
-            char_idf=self.char.idf.astype(np.float32),
-            knn_vectors=self.knn_vectors.astype(np.float16),
-            knn_labels=self.knn_labels.astype(np.int16),
-        )
+        arrays: dict[str, np.ndarray] = {
+            "weight": self.weight.astype(np.float16),
+            "bias": self.bias.astype(np.float32),
+            "word_idf": self.word.idf.astype(np.float32),
+            "char_idf": self.char.idf.astype(np.float32),
+            "knn_vectors": self.knn_vectors.astype(np.float16),
+            "knn_labels": self.knn_labels.astype(np.int16),
+        }
+        if self.lexical_weight is not None and self.lexical_bias is not None:
+            arrays["lexical_weight"] = self.lexical_weight.astype(np.float16)
+            arrays["lexical_bias"] = self.lexical_bias.astype(np.float32)
+        np.savez_compressed(out_dir / WEIGHTS_FILE, **arrays)  # type: ignore[arg-type]
 
 
 def load_model(data_dir: Path) -> FAQModel:
@@ -244,6 +278,8 @@ def load_model(data_dir: Path) -> FAQModel:
         blend = Blend(int(vocab["knn_k"]), float(vocab["knn_temperature"]), float(vocab["knn_weight"]))
         knn_vectors = arrays["knn_vectors"].astype(np.float32)
         knn_labels = arrays["knn_labels"].astype(np.int64)
+        lexical_weight = arrays["lexical_weight"].astype(np.float32) if "lexical_weight" in arrays else None
+        lexical_bias = arrays["lexical_bias"].astype(np.float32) if "lexical_bias" in arrays else None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"FAQ answerer weights in {data_dir} are unreadable: {exc}") from exc
     if weight.shape != (expected_rows, len(labels)):
@@ -256,6 +292,15 @@ def load_model(data_dir: Path) -> FAQModel:
             f"FAQ neighbour table is inconsistent: {knn_vectors.shape[0]} vectors, {knn_labels.shape[0]} "
             f"labels, {len(labels)} intents; retrain with `surge faq train`"
         )
+    lexical_rows = len(word_terms) + len(char_terms)
+    if (lexical_weight is None) != (lexical_bias is None) or (
+        lexical_weight is not None and lexical_weight.shape != (lexical_rows, len(labels))
+    ):
+        raise ModelLoadError(
+            f"FAQ lexical layer is inconsistent ({WEIGHTS_FILE}: weight "
+            f"{None if lexical_weight is None else lexical_weight.shape}, expected ({lexical_rows}, "
+            f"{len(labels)}) with a bias); retrain with `surge faq train`"
+        )
     return FAQModel(
         labels,
         word,
@@ -266,6 +311,8 @@ def load_model(data_dir: Path) -> FAQModel:
         knn_vectors,
         knn_labels,
         blend,
+        lexical_weight,
+        lexical_bias,
     )
 
 
@@ -298,11 +345,14 @@ class FAQAnswerer(ModelBackend):
         data_dir: str | Path | None = None,
         embedder: Embedder | None = None,
         confidence_floor: float = DEFAULT_CONFIDENCE_FLOOR,
+        template_floor: float = DEFAULT_TEMPLATE_CONFIDENCE_FLOOR,
     ) -> None:
-        if not 0.0 <= confidence_floor < 1.0:
-            raise ValueError(f"confidence_floor must be in [0, 1), got {confidence_floor}")
+        for name, floor in (("confidence_floor", confidence_floor), ("template_floor", template_floor)):
+            if not 0.0 <= floor < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {floor}")
         self.data_dir = Path(data_dir) if data_dir is not None else DATA_DIR
         self.confidence_floor = confidence_floor
+        self.template_floor = template_floor
         self._embedder = embedder
         self._model: FAQModel | None = None
         self._answers: dict[str, str] = {}
@@ -357,13 +407,15 @@ class FAQAnswerer(ModelBackend):
         self, texts: Sequence[str], vectors: np.ndarray | None = None
     ) -> list[tuple[str | None, float]]:
         """The most likely intent of each text and its probability; ``None`` below the floor."""
-        model = self._loaded()
-        probs = self.probabilities(texts, vectors)
+        return self._best(self._loaded(), self.probabilities(texts, vectors), self.confidence_floor)
+
+    @staticmethod
+    def _best(model: FAQModel, probs: np.ndarray | None, floor: float) -> list[tuple[str | None, float]]:
         out: list[tuple[str | None, float]] = []
-        for row in probs:
+        for row in probs if probs is not None else ():
             best = int(row.argmax())
             conf = float(row[best])
-            out.append((model.labels[best] if conf >= self.confidence_floor else None, conf))
+            out.append((model.labels[best] if conf >= floor else None, conf))
         return out
 
     def _output(self, intent: str | None, confidence: float, inp: ModelInput, finish: str) -> ModelOutput:
@@ -403,11 +455,25 @@ class FAQAnswerer(ModelBackend):
         """The same canned answer, marked ``finish_reason="template"``; called under degradation level 3."""
         return self.template_answers([inp])[0]
 
+    def template_needs_vectors(self) -> bool:
+        """False with a lexical layer: the template then classifies by n-grams alone."""
+        return not self._loaded().has_lexical
+
     def template_answers(self, batch: Sequence[ModelInput]) -> list[ModelOutput]:
-        """Template answers for a batch: one classification, with the pipeline's vectors if given."""
+        """Template answers for a batch, marked ``finish_reason="template"``: the whole classifier when
+        the pipeline gave every input its vector (an item re-planned to level 3 after it was embedded),
+        else the lexical layer, which needs no embedding (weights without one embed as the model
+        does)."""
+        model = self._loaded()
         given = [inp.vector for inp in batch]
-        vectors = np.stack(given).astype(np.float32) if given and all(v is not None for v in given) else None
-        results = self.classify([inp.text for inp in batch], vectors)
+        texts = [inp.text for inp in batch]
+        if given and all(v is not None for v in given):
+            results = self.classify(texts, np.stack(given).astype(np.float32))
+        elif model.has_lexical:
+            probs = model.lexical_probabilities(texts) if texts else None
+            results = self._best(model, probs, self.template_floor)
+        else:
+            results = self.classify(texts)
         return [
             self._output(intent, conf, inp, "template")
             for (intent, conf), inp in zip(results, batch, strict=True)

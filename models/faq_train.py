@@ -7,7 +7,8 @@ The classifier is a multinomial logistic regression over ``[MiniLM embedding | w
 char 1-4-gram TF-IDF]``, blended with a k-nearest-neighbour vote over the training questions'
 embeddings. A validation split carved from the training split picks the regularisation and the blend
 among a few candidates; the held-out split (reused by other benchmarks) is only used for the final,
-reported accuracy.
+reported accuracy. A second regression over the n-gram blocks alone (same regularisation) is the
+level-3 template's classifier, which needs no embedding; its held-out accuracy is reported too.
 """
 
 from __future__ import annotations
@@ -119,6 +120,11 @@ def fit_model(
     clf.fit(shell.features(texts, embeddings), np.asarray(labels))
     classes = [str(c) for c in clf.classes_]
     column = {label: i for i, label in enumerate(classes)}
+    # the level-3 template's layer: the same n-grams without the embedding (docs/architecture.md, "Degradation")
+    lexical = LogisticRegression(C=candidate.c, max_iter=3000)
+    lexical.fit(shell.lexical_features(texts), np.asarray(labels))
+    if [str(c) for c in lexical.classes_] != classes:
+        raise ValueError("the lexical layer's intents differ from the model's")
     return FAQModel(
         labels=classes,
         word=word,
@@ -128,6 +134,8 @@ def fit_model(
         bias=clf.intercept_.astype(np.float32),
         knn_vectors=np.asarray(embeddings, dtype=np.float32),
         knn_labels=np.asarray([column[label] for label in labels], dtype=np.int64),
+        lexical_weight=np.ascontiguousarray(lexical.coef_.T, dtype=np.float32),
+        lexical_bias=lexical.intercept_.astype(np.float32),
     )
 
 
@@ -229,8 +237,13 @@ def train(
     ho_y = np.asarray([c for _, c in holdout_rows])
     probs = shipped.probabilities(ho_x, holdout_vecs)
     correct = np.asarray(shipped.labels)[probs.argmax(axis=1)] == ho_y
+    lexical = shipped.lexical_probabilities(ho_x)
+    lexical_correct = np.asarray(shipped.labels)[lexical.argmax(axis=1)] == ho_y
     report: dict[str, object] = {
         "accuracy": round(float(correct.mean()), 4),
+        # the level-3 template (n-grams only, no embedding) on the same held-out rows
+        "template_accuracy": round(float(lexical_correct.mean()), 4),
+        "template_floors": floor_table(lexical, lexical_correct),
         "n_train": len(train_rows),
         "n_holdout": len(holdout_rows),
         "chosen": {"c": chosen.c, "emb_scale": chosen.emb_scale, "blend": asdict(chosen_blend)},
@@ -239,7 +252,11 @@ def train(
         "weights_bytes": sum(p.stat().st_size for p in out.glob("faq_*")),
         "seconds": round(time.perf_counter() - started, 1),
     }
-    print(f"held-out accuracy {report['accuracy']:.4f} on {len(holdout_rows)} rows", file=sys.stderr)
+    print(
+        f"held-out accuracy {report['accuracy']:.4f} on {len(holdout_rows)} rows "
+        f"(the level-3 template, n-grams only: {report['template_accuracy']:.4f})",
+        file=sys.stderr,
+    )
     return report
 
 

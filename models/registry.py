@@ -67,4 +67,7 @@ def build_faq(settings: Settings) -> ModelBackend:
     """The FAQ answerer: the default model, and the template answerer under degradation level 3."""
     from models.faq import FAQAnswerer
 
-    return FAQAnswerer(confidence_floor=settings.faq_confidence_floor)
+    return FAQAnswerer(
+        confidence_floor=settings.faq_confidence_floor,
+        template_floor=settings.faq_template_confidence_floor,
+    )

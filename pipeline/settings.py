@@ -222,6 +222,12 @@ class Settings(BaseSettings):
     )
     embedder_path: str | None = Field(None, description="sentence-transformers folder; default MiniLM-L6")
     faq_confidence_floor: float = Field(0.40, ge=0, le=1, description="FAQ answers below this say 'not sure'")
+    faq_template_confidence_floor: float = Field(
+        0.25,
+        ge=0,
+        lt=1,
+        description="the same for the level-3 template's n-gram layer, whose probabilities are flatter",
+    )
 
     # --- scheduling ------------------------------------------------------------------------------------
     deadline_realtime_ms: int = Field(

@@ -182,3 +182,107 @@ def test_the_worker_embeds_each_request_once_with_the_default_settings() -> None
     finally:
         del pipeline_embedder.embed
     assert [o.answer for o in with_vectors] == [o.answer for o in without]
+
+
+class CountingEmbedder:
+    """The real shared embedder, counting the questions it is asked to embed."""
+
+    def __init__(self) -> None:
+        from models.embedder import shared_embedder
+
+        self.inner = shared_embedder()
+        self.dim = self.inner.dim
+        self.multilingual = self.inner.multilingual
+        self.embedded = 0
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        self.embedded += len(texts)
+        return self.inner.embed(texts)
+
+
+LEXICAL_CASES = [
+    ("Three attempts with the wrong code and now my PIN won't work at all", "pin_blocked"),
+    ("The hole in the wall machine kept my card and didn't give it back", "card_swallowed"),
+    ("How old must someone be before they can get an account?", "age_limit"),
+    ("I'd like to close everything and leave the bank", "terminate_account"),
+    ("The same taxi ride shows up twice on my statement", "transaction_charged_twice"),
+    ("How do I top up my account with my debit card?", "topping_up_by_card"),
+]
+
+
+def test_the_template_answers_from_ngrams_without_an_embedding() -> None:
+    """Level 3's template must cost no MiniLM call, or degradation sheds nothing on the default path."""
+    counting = CountingEmbedder()
+    faq = FAQAnswerer(embedder=counting)  # type: ignore[arg-type]
+    faq.load()
+    assert faq.template_needs_vectors() is False
+    outs = faq.template_answers(
+        [ask(q) for q, _ in LEXICAL_CASES] + [ask("What's a good recipe for lemon cake?")]
+    )
+    assert counting.embedded == 0
+    assert [o.extra["intent"] for o in outs] == [intent for _, intent in LEXICAL_CASES] + [None]
+    assert all(o.finish_reason == "template" for o in outs)
+    assert outs[-1].answer == NOT_SURE_ANSWER
+
+
+def test_the_template_uses_the_pipelines_vectors_when_every_input_has_one(faq: FAQAnswerer) -> None:
+    """An item re-planned to level 3 after it was embedded keeps the whole classifier's answer."""
+    from models.embedder import shared_embedder
+
+    questions = ["Somebody grabbed my purse with my Surge card inside it", "Where is my card?"]
+    vectors = shared_embedder().embed(questions)
+    given = [
+        ModelInput(messages=(ChatMessage("user", q),), vector=v)
+        for q, v in zip(questions, vectors, strict=True)
+    ]
+    templates = faq.template_answers(given)
+    assert [t.extra["intent"] for t in templates] == [
+        o.extra["intent"] for o in faq.infer([ask(q) for q in questions])
+    ]
+    assert (
+        templates[0].extra["intent"] == "lost_or_stolen_card"
+    )  # the n-grams alone fall below the floor here
+
+
+def test_weights_without_a_lexical_layer_load_and_their_template_embeds(tmp_path: Path) -> None:
+    """Weights trained before the lexical layer existed still serve: their template embeds as before."""
+    from dataclasses import replace
+
+    from models.faq import load_model
+
+    replace(load_model(DATA_DIR), lexical_weight=None, lexical_bias=None).save(tmp_path)
+    (tmp_path / INTENTS_FILE).write_bytes((DATA_DIR / INTENTS_FILE).read_bytes())
+    counting = CountingEmbedder()
+    old = FAQAnswerer(tmp_path, embedder=counting)  # type: ignore[arg-type]
+    old.load()
+    assert old.template_needs_vectors() is True
+    [out] = old.template_answers([ask("My card was stolen yesterday, what should I do?")])
+    assert counting.embedded == 1
+    assert out.extra["intent"] == "lost_or_stolen_card" and out.finish_reason == "template"
+
+
+def test_a_lexical_layer_of_the_wrong_shape_is_refused(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from models.faq import load_model
+
+    model = load_model(DATA_DIR)
+    assert model.lexical_weight is not None
+    replace(model, lexical_weight=model.lexical_weight[:-3]).save(tmp_path)
+    with pytest.raises(ModelLoadError, match="lexical layer is inconsistent"):
+        load_model(tmp_path)
+
+
+def test_training_fits_the_lexical_layer_and_saves_it(tmp_path: Path) -> None:
+    """``surge faq train`` writes the template's layer with the model (on the project's own examples)."""
+    from models.embedder import shared_embedder
+    from models.faq import load_model
+    from models.faq_train import Candidate, fit_model, intent_examples
+
+    rows = intent_examples()
+    texts, labels = [t for t, _ in rows], [c for _, c in rows]
+    fit_model(texts, labels, shared_embedder().embed(texts), Candidate(30.0)).save(tmp_path)
+    model = load_model(tmp_path)
+    assert model.has_lexical
+    predicted = np.asarray(model.labels)[model.lexical_probabilities(texts).argmax(axis=1)]
+    assert float(np.mean(predicted == np.asarray(labels))) >= 0.9  # it learnt its own rows from n-grams

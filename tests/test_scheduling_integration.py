@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
+from models.faq import DATA_DIR, INTENTS_FILE
+from pipeline.metrics import scrape
 from pipeline.records import now_ms
 from tests.conftest import RELAXED, request
 
@@ -221,3 +224,45 @@ async def test_overload_degrades_low_classes_to_templates_but_never_realtime(dep
     await c.producer.flush()
     late_replies = await d.replies(late, 60)
     assert all(r.served_from == "template" and r.degradation_level == 3 for r in late_replies), late_replies
+
+
+async def test_level_3_templates_cost_no_embedding_on_the_default_path(deployment) -> None:
+    """With caches and merging on (the default path), every request is embedded with MiniLM, the
+    worker's dearest step; one that level 3 sends to the FAQ template skips it (the template reads
+    n-grams alone), so the level sheds that cost, and its answer is still the question's intent."""
+    d = deployment(model="faq", **{**SMALL_QUEUE, "cache_enabled": "true", "dedup_enabled": "true"})
+    w = d.worker()
+    c = await d.client()
+    backlog = [
+        await c.submit(
+            request(f"b{i}", f"bulk-{i % 7}", f"Tell me about my card delivery, case {i}", priority="batch")
+        )
+        for i in range(200)
+    ]
+    await c.producer.flush()
+    await d.replies(backlog, 120)
+    metrics = w.metrics()
+    assert "surge_degradation_level 3.0" in metrics
+    embedded = scrape(metrics)[("surge_embed_batch_size_sum", ())]
+    assert embedded > 0
+    late = [
+        await c.submit(
+            request(
+                f"late{i}",
+                f"late-{i}",
+                f"How do I top up my account with my debit card, number {i}?",
+                priority="batch",
+            )
+        )
+        for i in range(5)
+    ]
+    await c.producer.flush()
+    late_replies = await d.replies(late, 60)
+    assert all(r.served_from == "template" and r.degradation_level == 3 for r in late_replies), [
+        (r.served_from, r.degradation_level) for r in late_replies
+    ]
+    answers = {e["intent"]: e["answer"] for e in json.loads((DATA_DIR / INTENTS_FILE).read_text())}
+    assert all(r.answer == answers["topping_up_by_card"] for r in late_replies), [
+        r.answer for r in late_replies
+    ]
+    assert scrape(w.metrics())[("surge_embed_batch_size_sum", ())] == embedded
