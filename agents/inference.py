@@ -18,6 +18,7 @@ threads, replies and metrics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter, deque
@@ -62,6 +63,8 @@ from pipeline.terms import PRIORITIES, RANK, Priority
 
 log = logging.getLogger("surge.inference")
 
+#: how often a batch or offline reader held back by the intake's backlog looks again, s
+INTAKE_RECHECK_S = 0.02
 #: the level-3 answer when the template model has none
 BUSY_FALLBACK = "We are very busy right now; please try again shortly."
 
@@ -226,7 +229,18 @@ class Inference:
         # lower classes' embedding backlog never holds a higher class back
         if any(self.waiting(higher) for higher in PRIORITIES[:rank]):
             return False
+        if self._yields_to_intake(priority):
+            return False
         return len(self._arrivals[priority]) < s.embed_queue_limit
+
+    def _yields_to_intake(self, priority: str) -> bool:
+        """Batch and offline work waits while this worker's intake is behind on the request topic
+        (pipeline.intake_backlog; docs/architecture.md, "Intake first")."""
+        return (
+            self.rt.settings.intake_first_enabled
+            and RANK[priority] >= RANK[Priority.BATCH]
+            and self.rt.intake_backlog.behind(now_ms())
+        )
 
     def work_bound(self) -> int:
         """How many items this worker keeps admitted: about ``queue_target_ms`` of measured
@@ -244,7 +258,12 @@ class Inference:
             # stream buffer (stream_buffer_max_records) is full: the backlog stays in Kafka.
             self._blocked.add(priority)
             self._room.clear()
-            await self._room.wait()
+            if self._yields_to_intake(priority):
+                # the intake catching up sets no event here: look again shortly
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._room.wait(), INTAKE_RECHECK_S)
+            else:
+                await self._room.wait()
         self._blocked.discard(priority)
 
     async def admit(self, priority: str, stream: faust.StreamT, event: EventT) -> None:

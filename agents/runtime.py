@@ -26,6 +26,7 @@ from agents.offset_oracle import OffsetOracle
 from agents.reply_order import ReplySequencer, task_is_cancelling
 from pipeline.compat import as_current_event, producer_partitions_for, topic_exists
 from pipeline.exceptions import InvalidRequestError
+from pipeline.intake_backlog import IntakeBacklog
 from pipeline.keys import reply_key
 from pipeline.metrics import Metrics
 from pipeline.records import (
@@ -41,6 +42,21 @@ from pipeline.replybook import ReplyBook
 from pipeline.replyto import KnownTopics, ReplyToPolicy
 from pipeline.settings import Settings
 from pipeline.topics import TopicNames
+
+#: a request partition the intake took nothing from for this long holds no reader back (it no longer
+#: reads it)
+INTAKE_REPORT_STALE_MS = 1_000.0
+
+
+def highwater(app: faust.App, tp: Any) -> int | None:
+    """The partition's high watermark as the consumer last fetched it, or None (not assigned yet, or
+    no fetch answered): a plain read of what the consumer's fetcher recorded, no broker call."""
+    try:
+        value = app.consumer.highwater(tp)
+    except Exception:  # a partition being revoked, a consumer not started: unknown, not an error
+        return None
+    return value if isinstance(value, int) else None
+
 
 if TYPE_CHECKING:
     from agents.risk import RiskAgents
@@ -80,6 +96,8 @@ class Runtime:
     reply_policy: ReplyToPolicy = field(init=False)
     #: which reply topics exist (a reply never creates one): pipeline.replyto.KnownTopics
     reply_topics: KnownTopics = field(init=False)
+    #: how far this worker's intake is behind (pipeline.intake_backlog; reported by the intake agent)
+    intake_backlog: IntakeBacklog = field(init=False)
     _topics: dict[str, faust.TopicT] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -90,6 +108,11 @@ class Runtime:
             self.topics, self.settings.app_id, self.settings.reply_topic_pattern
         )
         self.reply_topics = KnownTopics(lambda name: topic_exists(self.app.producer, name))
+        self.intake_backlog = IntakeBacklog(
+            self.settings.intake_first_lag_records,
+            INTAKE_REPORT_STALE_MS,
+            lambda tp: highwater(self.app, tp),
+        )
 
     async def reply_topic(self, reply_to: str | None) -> str:
         """The topic a request's replies go to: its ``reply_to`` when allowed and existing; raises

@@ -284,6 +284,18 @@ class Settings(BaseSettings):
         description="an embedding call is sized to take about this long (measured per item), so a "
         "real-time or interactive arrival never waits long behind one; at most embed_max_batch_size",
     )
+    intake_first_enabled: bool = Field(
+        True,
+        description="in a worker that runs the intake too, batch and offline work is not read while "
+        "requests wait behind the intake on the request topic (they share one event loop, and a cheap "
+        "low-class backlog drained after a surge starved it)",
+    )
+    intake_first_lag_records: int = Field(
+        0,
+        ge=0,
+        description="with intake_first_enabled, how many requests may wait behind the intake in one "
+        "request partition before batch and offline reading stops (0: any)",
+    )
     embed_queue_limit: int = Field(
         128, ge=1, description="admitted items waiting to be embedded before readers stop reading"
     )

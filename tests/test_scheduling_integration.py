@@ -266,3 +266,27 @@ async def test_level_3_templates_cost_no_embedding_on_the_default_path(deploymen
         r.answer for r in late_replies
     ]
     assert scrape(w.metrics())[("surge_embed_batch_size_sum", ())] == embedded
+
+
+async def test_batch_work_waits_while_the_intake_is_behind(deployment) -> None:
+    """One worker runs both agents on one event loop. Batch work is not read while the intake has
+    requests waiting on the request topic, so real-time requests behind a backlog reach their work
+    topic before the batch work already forwarded is answered (after a surge, a cheap low-class
+    backlog drained at over a thousand replies a second and starved the intake: real-time requests
+    waited in the request topic, real-time p99 of 4 s). Measured by broker timestamps: when the
+    intake wrote each real-time work item, against when each batch reply was written."""
+    d = deployment(model="echo", deadline_realtime_ms="60000", **RELAXED, **FAST)
+    d.worker()
+    c = await d.client()
+    batch = [await c.submit(request(f"b{i}", f"bulk-{i % 16}", priority="batch")) for i in range(1500)]
+    live = [await c.submit(request(f"rt{i}", f"live-{i}", priority="realtime")) for i in range(8)]
+    await c.producer.flush()
+    replies = await d.replies([*batch, *live], 120)
+    assert all(r.status == "ok" for r in replies), {r.error.code for r in replies if r.error}
+    forwarded = await d.read_topic(d.topics.work("realtime"), min_count=8)
+    assert len(forwarded) == 8
+    last_forward = max(r.timestamp for r in forwarded)
+    written = await d.read_topic(d.topics.replies, min_count=1508)
+    batch_first = sum(1 for r in written if b'"r-b' in r.value and r.timestamp < last_forward)
+    # 0 in three runs; without the gate 78-458 of them (three runs)
+    assert batch_first <= 10, f"{batch_first} batch replies written before the intake forwarded real-time"
