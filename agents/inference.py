@@ -38,6 +38,7 @@ from models.base import ChatMessage, ModelBackend, ModelInput, ModelOutput
 from models.embedder import Embedder
 from pipeline.batcher import AsyncBatcher, BatchObserver
 from pipeline.cache import AnswerCache, CachedAnswer
+from pipeline.compat import producer_buffer_size
 from pipeline.dedup import is_embeddable
 from pipeline.degrade import DegradationController, DegradePlan, MissRateWindow, pressure_depth
 from pipeline.exceptions import DeadlineExceededError, SurgeError
@@ -235,12 +236,17 @@ class Inference:
 
     def _yields_to_intake(self, priority: str) -> bool:
         """Batch and offline work waits while this worker's intake is behind on the request topic
-        (pipeline.intake_backlog; docs/architecture.md, "Intake first")."""
-        return (
-            self.rt.settings.intake_first_enabled
-            and RANK[priority] >= RANK[Priority.BATCH]
-            and self.rt.intake_backlog.behind(now_ms())
-        )
+        (pipeline.intake_backlog), or while Faust's producer buffer is close to the size at which it
+        stops delivering records to the intake (docs/architecture.md, "Intake first")."""
+        if RANK[priority] < RANK[Priority.BATCH]:
+            return False
+        s = self.rt.settings
+        if (
+            s.changelog_buffer_limit_records
+            and producer_buffer_size(self.rt.app) > s.changelog_buffer_limit_records
+        ):
+            return True
+        return s.intake_first_enabled and self.rt.intake_backlog.behind(now_ms())
 
     def work_bound(self) -> int:
         """How many items this worker keeps admitted: about ``queue_target_ms`` of measured
@@ -259,7 +265,7 @@ class Inference:
             self._blocked.add(priority)
             self._room.clear()
             if self._yields_to_intake(priority):
-                # the intake catching up sets no event here: look again shortly
+                # the intake catching up or the buffer being sent sets no event here: look again shortly
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._room.wait(), INTAKE_RECHECK_S)
             else:

@@ -299,6 +299,20 @@ def bound_produce_request_wait(timeout_ms: int) -> None:
     producer_cls._new_producer = new_producer
 
 
+def producer_buffer_size(app: Any) -> int:
+    """Table writes waiting in Faust's producer buffer (``app.producer.buffer.size``), 0 when there is
+    none yet.
+
+    Why: past ``ProducerBuffer.max_messages`` (100) Faust's conductor stops delivering records to every
+    stream until the buffer has been sent, and the buffer is sent one record per event-loop turn;
+    the inference agent holds batch and offline reading back before that (docs/architecture.md,
+    "Intake first"). Not in ``ProducerBufferT``: ``faust.transport.producer.ProducerBuffer.size``.
+    """
+    buffer = getattr(getattr(app, "producer", None), "buffer", None)
+    size = getattr(buffer, "size", 0)
+    return size if isinstance(size, int) else 0
+
+
 def producer_backlog(producer: AIOKafkaProducer) -> dict[str, Any]:
     """What an aiokafka producer still holds, for a log line when a send waits too long: per
     partition the batches not yet sent (their age in seconds, how often tried, the partition's

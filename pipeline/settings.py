@@ -291,10 +291,18 @@ class Settings(BaseSettings):
         "low-class backlog drained after a surge starved it)",
     )
     intake_first_lag_records: int = Field(
-        0,
+        32,
         ge=0,
-        description="with intake_first_enabled, how many requests may wait behind the intake in one "
-        "request partition before batch and offline reading stops (0: any)",
+        description="with intake_first_enabled, batch and offline reading stops once more than this many "
+        "requests wait behind the intake in one request partition, and resumes once none waits",
+    )
+    changelog_buffer_limit_records: int = Field(
+        50,
+        ge=0,
+        description="batch and offline work is not read while more than this many table writes wait in "
+        "Faust's producer buffer: past 100 Faust stops delivering records to every stream of the worker, "
+        "the intake's too, until it has sent them, and a fast drain of cheap low-class replies (one "
+        "reply-book write each) held real-time requests for 5 s; 0: off",
     )
     embed_queue_limit: int = Field(
         128, ge=1, description="admitted items waiting to be embedded before readers stop reading"

@@ -310,3 +310,20 @@ async def test_producer_backlog_and_wake_on_aiokafkas_own_producer() -> None:
     assert compat.wake_producer(producer) is True
     assert acc.waiter().done()
     assert compat.wake_producer(producer) is False
+
+
+def test_producer_buffer_size_counts_what_faust_s_conductor_waits_on() -> None:
+    """The inference agent paces batch reading by this number: it must be the one the conductor
+    compares with ``max_messages`` before delivering each record (``wait_until_ebb``)."""
+    from faust.transport.producer import ProducerBuffer
+
+    assert "self.size > self.max_messages" in inspect.getsource(ProducerBuffer.wait_until_ebb)
+    assert ProducerBuffer.max_messages == 100
+    conductor = inspect.getsource(faust.transport.conductor)
+    assert "await wait_until_producer_ebb()" in conductor
+    app = faust.App(f"buffer-{uuid.uuid4().hex[:6]}", broker="kafka://127.0.0.1:1")
+    assert compat.producer_buffer_size(app) == 0
+    for n in range(3):
+        app.producer.buffer.pending.put_nowait(object())  # what put() does without a threaded producer
+        assert compat.producer_buffer_size(app) == n + 1
+    assert compat.producer_buffer_size(object()) == 0

@@ -23,8 +23,22 @@ def test_more_than_the_limit_behind_in_any_partition_is_behind() -> None:
     b.record("requests-1", offset=10, now_ms=0)  # 29 waiting
     assert b.behind(0)
     assert b.lag(0) == 19 + 29
-    b.record("requests-1", offset=20, now_ms=5)  # 19 waiting
+    b.record("requests-1", offset=20, now_ms=5)  # 19 waiting: still behind until none waits
+    assert b.behind(10)
+    b.record("requests-0", offset=119, now_ms=6)
+    b.record("requests-1", offset=39, now_ms=6)
     assert not b.behind(10)
+    hw["requests-0"] = 140  # 20 arrive: under the limit, not behind again
+    assert not b.behind(11) and b.lag(11) == 20
+
+
+def test_zero_lets_nothing_wait() -> None:
+    hw = Watermarks({"p": 3})
+    b = IntakeBacklog(limit_records=0, stale_ms=1_000, highwater=hw)
+    b.record("p", offset=1, now_ms=0)
+    assert b.behind(0)
+    b.record("p", offset=2, now_ms=1)
+    assert not b.behind(1)
 
 
 def test_records_fetched_after_the_last_take_count() -> None:
@@ -44,7 +58,7 @@ def test_a_stale_take_holds_nobody_back() -> None:
     b = IntakeBacklog(limit_records=8, stale_ms=500, highwater=Watermarks({("requests", 3): 1_000}))
     b.record(("requests", 3), offset=0, now_ms=1_000)
     assert b.behind(1_400)
-    assert not b.behind(1_600)
+    assert not b.behind(1_600)  # behind, then stale: no longer
     assert b.lag(1_600) == 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -274,7 +275,11 @@ async def test_batch_work_waits_while_the_intake_is_behind(deployment) -> None:
     topic before the batch work already forwarded is answered (after a surge, a cheap low-class
     backlog drained at over a thousand replies a second and starved the intake: real-time requests
     waited in the request topic, real-time p99 of 4 s). Measured by broker timestamps: when the
-    intake wrote each real-time work item, against when each batch reply was written."""
+    intake wrote each real-time work item, against when each batch reply was written.
+
+    And the drain that follows never fills Faust's producer buffer (one reply-book write per reply)
+    far past the 100 records at which Faust stops delivering records to every stream: batch reading
+    waits while more than 50 wait there (its own warning, "producer buffer full size N", reports it)."""
     d = deployment(model="echo", deadline_realtime_ms="60000", **RELAXED, **FAST)
     d.worker()
     c = await d.client()
@@ -290,3 +295,7 @@ async def test_batch_work_waits_while_the_intake_is_behind(deployment) -> None:
     batch_first = sum(1 for r in written if b'"r-b' in r.value and r.timestamp < last_forward)
     # 0 in three runs; without the gate 78-458 of them (three runs)
     assert batch_first <= 10, f"{batch_first} batch replies written before the intake forwarded real-time"
+    log = d.workers[0].log_path.read_text(errors="replace")
+    sizes = [int(n) for n in re.findall(r"producer buffer full size (\d+)", log)]
+    # at most 102-143 in three runs; 663-870 with changelog_buffer_limit_records=0
+    assert max(sizes, default=0) <= 300, sizes
