@@ -118,9 +118,14 @@ async def test_sigkill_mid_stream_during_merges_loses_nothing_and_repeats_are_id
     )
     w = d.worker()
     c = await d.client()
-    # repeated questions: merges, cache hits and model calls are all in flight at the kill
+    # repeated questions: merges, cache hits and model calls are all in flight at the kill. Each
+    # question comes twice in a row (read together, so merged: 14 merges in the first 40 replies, 37-38
+    # in all), and again 80 requests later (a cache hit). Spread 40 apart instead, merges depended on
+    # timing: 6-8 in a run, none in one CI run.
     futs = [
-        await c.submit(request(i, f"u{i % 5}", f"question {i % 40}", priority=("batch", "offline")[i % 2]))
+        await c.submit(
+            request(i, f"u{i // 2 % 5}", f"question {i // 2 % 40}", priority=("batch", "offline")[i // 2 % 2])
+        )
         for i in range(300)
     ]
     await c.producer.flush()
