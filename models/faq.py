@@ -410,9 +410,9 @@ class FAQAnswerer(ModelBackend):
         return self._best(self._loaded(), self.probabilities(texts, vectors), self.confidence_floor)
 
     @staticmethod
-    def _best(model: FAQModel, probs: np.ndarray | None, floor: float) -> list[tuple[str | None, float]]:
+    def _best(model: FAQModel, probs: np.ndarray, floor: float) -> list[tuple[str | None, float]]:
         out: list[tuple[str | None, float]] = []
-        for row in probs if probs is not None else ():
+        for row in probs:
             best = int(row.argmax())
             conf = float(row[best])
             out.append((model.labels[best] if conf >= floor else None, conf))
@@ -464,14 +464,15 @@ class FAQAnswerer(ModelBackend):
         the pipeline gave every input its vector (an item re-planned to level 3 after it was embedded),
         else the lexical layer, which needs no embedding (weights without one embed as the model
         does)."""
+        if not batch:
+            return []
         model = self._loaded()
         given = [inp.vector for inp in batch]
         texts = [inp.text for inp in batch]
-        if given and all(v is not None for v in given):
+        if all(v is not None for v in given):
             results = self.classify(texts, np.stack(given).astype(np.float32))
         elif model.has_lexical:
-            probs = model.lexical_probabilities(texts) if texts else None
-            results = self._best(model, probs, self.template_floor)
+            results = self._best(model, model.lexical_probabilities(texts), self.template_floor)
         else:
             results = self.classify(texts)
         return [

@@ -43,23 +43,18 @@ class IntakeBacklog:
         """Called by the intake for each request it takes on."""
         self._taken[partition] = (offset, now_ms)
 
-    def _waiting(self, now_ms: float) -> list[int]:
-        waiting = []
+    def _most_waiting(self, now_ms: float) -> int:
+        """The most records waiting in one partition taken from lately."""
+        most = 0
         for partition, (offset, at) in self._taken.items():
-            if now_ms - at > self.stale_ms:
-                continue
-            highwater = self._highwater(partition)
-            if highwater is not None and highwater >= 0:
-                waiting.append(max(0, highwater - offset - 1))
-        return waiting
+            highwater = self._highwater(partition) if now_ms - at <= self.stale_ms else None
+            if highwater is not None:
+                most = max(most, highwater - offset - 1)
+        return most
 
     def behind(self, now_ms: float) -> bool:
         """Whether the intake is behind: some partition taken from lately has more than
         ``limit_records`` waiting, or had and still has any."""
-        most = max(self._waiting(now_ms), default=0)
+        most = self._most_waiting(now_ms)
         self._behind = most > 0 if self._behind else most > self.limit_records
         return self._behind
-
-    def lag(self, now_ms: float) -> int:
-        """Records waiting behind the intake in the partitions taken from lately."""
-        return sum(self._waiting(now_ms))

@@ -22,14 +22,13 @@ def test_more_than_the_limit_behind_in_any_partition_is_behind() -> None:
     b.record("requests-0", offset=100, now_ms=0)  # 19 waiting
     b.record("requests-1", offset=10, now_ms=0)  # 29 waiting
     assert b.behind(0)
-    assert b.lag(0) == 19 + 29
     b.record("requests-1", offset=20, now_ms=5)  # 19 waiting: still behind until none waits
     assert b.behind(10)
     b.record("requests-0", offset=119, now_ms=6)
     b.record("requests-1", offset=39, now_ms=6)
     assert not b.behind(10)
     hw["requests-0"] = 140  # 20 arrive: under the limit, not behind again
-    assert not b.behind(11) and b.lag(11) == 20
+    assert not b.behind(11)
 
 
 def test_zero_lets_nothing_wait() -> None:
@@ -49,7 +48,7 @@ def test_records_fetched_after_the_last_take_count() -> None:
     b.record("p", offset=10, now_ms=0)
     assert not b.behind(1)  # caught up: its last take was the partition's last record
     hw["p"] = 14  # three more fetched, none taken yet
-    assert b.behind(2) and b.lag(2) == 3
+    assert b.behind(2)
 
 
 def test_a_stale_take_holds_nobody_back() -> None:
@@ -59,13 +58,12 @@ def test_a_stale_take_holds_nobody_back() -> None:
     b.record(("requests", 3), offset=0, now_ms=1_000)
     assert b.behind(1_400)
     assert not b.behind(1_600)  # behind, then stale: no longer
-    assert b.lag(1_600) == 0
 
 
 def test_an_unknown_high_watermark_counts_nothing() -> None:
     b = IntakeBacklog(limit_records=0, stale_ms=500, highwater=Watermarks({"q": -1}))
     b.record("p", offset=5, now_ms=0)
     b.record("q", offset=5, now_ms=0)
-    assert not b.behind(0) and b.lag(0) == 0
+    assert not b.behind(0)
     with pytest.raises(ValueError, match="limit_records"):
         IntakeBacklog(limit_records=-1, stale_ms=500, highwater=Watermarks())
