@@ -246,7 +246,7 @@ class Inference:
             and producer_buffer_size(self.rt.app) > s.changelog_buffer_limit_records
         ):
             return True
-        return s.intake_first_enabled and self.rt.intake_backlog.behind(now_ms())
+        return s.intake_first_enabled and self.rt.intake_backlog.behind()
 
     def work_bound(self) -> int:
         """How many items this worker keeps admitted: about ``queue_target_ms`` of measured

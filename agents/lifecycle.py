@@ -208,6 +208,7 @@ class Lifecycle:
         """Called by Faust on every rebalance, after it paused the partitions."""
         s = self.rt.settings
         self.revoking = True
+        self.rt.intake_backlog.forget(revoked)
         try:
             ok = await self.drain(
                 s.drain_timeout_s, give_back_after_s=s.rebalance_grace_ms / 1000, revoked=set(revoked)

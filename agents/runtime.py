@@ -43,14 +43,10 @@ from pipeline.replyto import KnownTopics, ReplyToPolicy
 from pipeline.settings import Settings
 from pipeline.topics import TopicNames
 
-#: a request partition the intake took nothing from for this long holds no reader back (it no longer
-#: reads it)
-INTAKE_REPORT_STALE_MS = 1_000.0
-
 
 def highwater(app: faust.App, tp: Any) -> int | None:
-    """The partition's high watermark as the consumer last fetched it, or None (not assigned yet, or
-    no fetch answered): a plain read of what the consumer's fetcher recorded, no broker call."""
+    """The partition's high watermark as the consumer last fetched it, or None (not assigned to this
+    worker, or no fetch answered): a plain read of what the consumer's fetcher recorded, no broker call."""
     try:
         value = app.consumer.highwater(tp)
     except Exception:  # a partition being revoked, a consumer not started: unknown, not an error
@@ -109,9 +105,7 @@ class Runtime:
         )
         self.reply_topics = KnownTopics(lambda name: topic_exists(self.app.producer, name))
         self.intake_backlog = IntakeBacklog(
-            self.settings.intake_first_lag_records,
-            INTAKE_REPORT_STALE_MS,
-            lambda tp: highwater(self.app, tp),
+            self.settings.intake_first_lag_records, lambda tp: highwater(self.app, tp)
         )
 
     async def reply_topic(self, reply_to: str | None) -> str:

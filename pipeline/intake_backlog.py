@@ -10,7 +10,7 @@ of each request it takes, and the high watermark comes from a function the agent
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 
 #: a partition's high watermark (its next offset) as the consumer last fetched it; None: unknown
 Highwater = Callable[[Hashable], int | None]
@@ -26,35 +26,45 @@ class IntakeBacklog:
     waiting under steady load held batch reading back all the time). The high
     watermark is read when asked, not when the intake took its last record: an intake starved of the
     event loop takes records seldom, and a lag measured at its last take would miss everything fetched
-    since. ``stale_ms``: a partition whose last take is older than this is ignored, so a partition the
-    intake gave up (revoked, or the worker stopping) holds nobody back for long.
+    since.
+
+    A partition counts while it is this worker's: the high watermark function answers None for one not
+    assigned (the consumer knows none), and the rebalance forgets revoked ones. How long ago the intake
+    took from it does not matter: an intake held up for a while (by the event loop, or by Faust's
+    producer buffer) is exactly the one the low classes must yield to, and a time limit made its
+    backlog invisible then.
     """
 
-    def __init__(self, limit_records: int, stale_ms: float, highwater: Highwater) -> None:
-        if limit_records < 0 or stale_ms <= 0:
-            raise ValueError(f"limit_records must be >= 0 and stale_ms > 0, got {limit_records}, {stale_ms}")
+    def __init__(self, limit_records: int, highwater: Highwater) -> None:
+        if limit_records < 0:
+            raise ValueError(f"limit_records must be >= 0, got {limit_records}")
         self.limit_records = limit_records
-        self.stale_ms = stale_ms
         self._highwater = highwater
-        self._taken: dict[Hashable, tuple[int, float]] = {}
+        self._taken: dict[Hashable, int] = {}
         self._behind = False
 
-    def record(self, partition: Hashable, offset: int, now_ms: float) -> None:
+    def record(self, partition: Hashable, offset: int) -> None:
         """Called by the intake for each request it takes on."""
-        self._taken[partition] = (offset, now_ms)
+        self._taken[partition] = offset
 
-    def _most_waiting(self, now_ms: float) -> int:
-        """The most records waiting in one partition taken from lately."""
+    def forget(self, partitions: Iterable[Hashable]) -> None:
+        """Called on a rebalance with the partitions this worker gave up: their next owner reads them,
+        and an offset left from before would count records it never takes if one came back."""
+        for partition in partitions:
+            self._taken.pop(partition, None)
+
+    def _most_waiting(self) -> int:
+        """The most records waiting in one partition the intake reads."""
         most = 0
-        for partition, (offset, at) in self._taken.items():
-            highwater = self._highwater(partition) if now_ms - at <= self.stale_ms else None
+        for partition, offset in self._taken.items():
+            highwater = self._highwater(partition)
             if highwater is not None:
                 most = max(most, highwater - offset - 1)
         return most
 
-    def behind(self, now_ms: float) -> bool:
-        """Whether the intake is behind: some partition taken from lately has more than
-        ``limit_records`` waiting, or had and still has any."""
-        most = self._most_waiting(now_ms)
+    def behind(self) -> bool:
+        """Whether the intake is behind: some partition it reads has more than ``limit_records``
+        waiting, or had and still has any."""
+        most = self._most_waiting()
         self._behind = most > 0 if self._behind else most > self.limit_records
         return self._behind
