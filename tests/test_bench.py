@@ -327,6 +327,27 @@ def test_surge_class_summary_counts_each_kind_of_miss_once() -> None:
     assert exactly_once(recs, by_rid) == {"acked": 5, "missing": 1, "duplicated": 1, "extra_replies": 1}
 
 
+def test_failover_lists_each_realtime_miss_with_its_distance_to_a_window() -> None:
+    from pipeline.devtools.bench.failover import realtime_misses
+
+    recs = [_sent(f"r{k}", priority="realtime") for k in range(4)]
+    for r, created in zip(recs, (995_000, 1_000_000, 1_008_000, 1_020_000), strict=True):
+        r.created_ms = created
+    by_rid = {
+        "r0": [_seen("r0", after_ms=-4_900, status="ok")],  # 100 ms after it was sent: no miss
+        "r1": [_seen("r1", after_ms=350, status="ok")],  # 350 ms: late
+        "r3": [_seen("r3", after_ms=-19_900, status="error", error={"code": "deadline_exceeded"})],
+    }  # r2 never answered
+    spans = [(1_001.0, 1_005.0)]  # a window from 1 s to 5 s after r1 was sent
+    out = realtime_misses(recs, by_rid, 200, spans, t0=1_000.0)
+    assert [(m["at_s"], m["from_window_s"], m["code"]) for m in out] == [
+        (0.0, -1.0, "late_ok"),
+        (8.0, 3.0, "lost"),
+        (20.0, 15.0, "deadline_exceeded"),
+    ]
+    assert out[0]["latency_ms"] == 350.0 and out[1]["latency_ms"] is None
+
+
 def test_lag_sampler_sums_and_peaks_by_topic() -> None:
     from pipeline.devtools.bench.surge import LagSampler
 

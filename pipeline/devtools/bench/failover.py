@@ -53,13 +53,17 @@ from pipeline.devtools.bench.surge import (
     ReplyReader,
     Sample,
     Scraper,
+    Seen,
     Sender,
+    Sent,
     Watch,
     catch_up,
     class_summary,
     default_path_env,
+    latency_ms,
     max_known,
     quiet_kafka_logs,
+    reply_code,
     settled_after,
     timeline_plot,
     wait_answered,
@@ -431,6 +435,44 @@ def _in(t: float, spans: Sequence[tuple[float, float]]) -> bool:
     return any(a <= t < b for a, b in spans)
 
 
+def realtime_misses(
+    recs: Sequence[Sent],
+    by_rid: dict[str, list[Seen]],
+    deadline_ms: int | None,
+    spans: Sequence[tuple[float, float]],
+    t0: float,
+    limit: int = 200,
+) -> list[dict[str, Any]]:
+    """Where the real-time misses outside the windows happen: each with its distance to the nearest
+    window (negative: before one starts, positive: after one ended), its latency as read, when the
+    worker produced its reply (the record's timestamp) and how late the sender was."""
+    out: list[dict[str, Any]] = []
+    for r in recs:
+        got = by_rid.get(r.rid)
+        first = got[0] if got else None
+        late = first is not None and deadline_ms is not None and latency_ms(r, first) > deadline_ms
+        if first is not None and first.reply.get("status") == "ok" and not late:
+            continue
+        t = r.created_ms / 1000
+        nearest = min(((a - t) * -1 if t < a else t - b for a, b in spans), key=abs, default=None)
+        out.append(
+            {
+                "at_s": round(t - t0, 2),
+                "from_window_s": None if nearest is None else round(nearest, 2),
+                "latency_ms": None if first is None else round(latency_ms(r, first), 1),
+                "produced_after_ms": None if first is None else first.ts_ms - r.created_ms,
+                "sender_lag_ms": round(r.lag_ms, 1),
+                "code": "lost"
+                if first is None
+                else "late_ok"
+                if first.reply.get("status") == "ok"
+                else reply_code(first.reply),
+                "partition": r.partition,
+            }
+        )
+    return out[:limit]
+
+
 def analyse(
     run: dict[str, Any], deadlines: dict[str, int | None], session_timeout_s: float, partitions: int
 ) -> dict[str, Any]:
@@ -539,6 +581,7 @@ def analyse(
                         "message": error.get("message"),
                     }
                 )
+    realtime_out = [r for r in acked if r.priority == "realtime" and not _in(r.created_ms / 1000, spans)]
     inside = [r for r in sender.order if _in(r.created_ms / 1000, spans)]
     outside = [r for r in sender.order if not _in(r.created_ms / 1000, spans)]
     classes = {
@@ -588,6 +631,7 @@ def analyse(
         "unexpected_reply_records": sum(len(v) for k, v in by_rid.items() if k not in sender.sent),
         "events": per_event,
         "classes": classes,
+        "realtime_misses_outside": realtime_misses(realtime_out, by_rid, deadlines["realtime"], spans, t0),
         "errors_by_code_and_tier": dict(errs),
         "rate_limited_examples": limited,
         "windows": [[round(a - t0, 2), round(b - t0, 2)] for a, b in spans],
