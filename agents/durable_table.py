@@ -6,15 +6,24 @@ before its record is durable can reach the client while the record dies with the
 and the next owner of the request then computes a second, different reply. So the reply book's
 writes go through this wrapper, and :meth:`Runtime.publish` sends a reply only once the record's
 changelog send is acknowledged (docs/architecture.md, "Guarantees").
+
+The records skip Faust's producer buffer: past 100 records there Faust stops delivering records to
+every stream, the intake's included, and one record per reply filled it whenever replies came fast
+(docs/architecture.md, "Intake first"). They wait in an outbox of their own, sent in order by one
+task, as Faust's buffer sends its records.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections import deque
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 from faust.types import TableT
+
+from pipeline.compat import changelog_message
 
 
 class DurableTable(MutableMapping[str, Any]):
@@ -23,6 +32,8 @@ class DurableTable(MutableMapping[str, Any]):
     def __init__(self, table: TableT) -> None:
         self.table = table
         self._pending: dict[str, asyncio.Future[Any]] = {}
+        self._outbox: deque[Any] = deque()
+        self._sender: asyncio.Task[None] | None = None
 
     def __getitem__(self, key: str) -> Any:
         value = self.table.get(key)
@@ -38,12 +49,18 @@ class DurableTable(MutableMapping[str, Any]):
         """Send the changelog record and write the local store, keeping the send's future (the
         same two steps as the table's own ``__setitem__``, which drops it). Nothing is written
         when the send cannot be queued (no metadata for the changelog yet): the caller tries again."""
-        fut = self.table.send_changelog(None, key, value)
+        fut = self._send(None, key, value)
         self.table.data[key] = value
         self._track(key, fut)
 
     def __delitem__(self, key: str) -> None:
-        del self.table[key]
+        """Send the tombstone and delete locally. The tombstone goes through the same outbox as the
+        writes, to the key's partition: behind a write of the same key sent before it, never ahead
+        of one sent after it (Faust's own delete would take its buffer, and overtake the outbox)."""
+        if self.table.data.get(key) is None:
+            raise KeyError(key)
+        self._track(key, self._send(None, key, None, value_serializer="raw"))
+        del self.table.data[key]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.table)
@@ -69,7 +86,42 @@ class DurableTable(MutableMapping[str, Any]):
         last = self._pending.get(key)
         message = getattr(last, "message", None)
         partition = getattr(message, "partition", None)
-        return self._track(key, self.table.send_changelog(partition, key, self.table.data[key]))
+        return self._track(key, self._send(partition, key, self.table.data[key]))
+
+    def waiting(self) -> int:
+        """Records made and not yet handed to the Kafka producer."""
+        return len(self._outbox)
+
+    def _send(
+        self, partition: int | None, key: str, value: Any, value_serializer: str | None = None
+    ) -> asyncio.Future[Any]:
+        """Queue the changelog record (raises, queueing nothing, without the changelog's metadata)."""
+        message = changelog_message(self.table, partition, key, value, value_serializer)
+        self._outbox.append(message)
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.ensure_future(self._send_outbox())
+        return message
+
+    async def _send_outbox(self) -> None:
+        """Hand each queued record to the producer, in order; a record that cannot be handed over
+        fails its future, which the reply path then sends again (:meth:`resend`)."""
+        while self._outbox:
+            message = self._outbox.popleft()
+            try:
+                await message.message.channel.publish_message(message, wait=False)
+            except asyncio.CancelledError:
+                self._fail(message, ConnectionError("the worker stopped before the record was sent"))
+                while self._outbox:
+                    self._fail(self._outbox.popleft(), ConnectionError("the worker stopped"))
+                raise
+            except Exception as exc:
+                self._fail(message, exc)
+
+    @staticmethod
+    def _fail(message: asyncio.Future[Any], exc: BaseException) -> None:
+        if not message.done():
+            with contextlib.suppress(asyncio.InvalidStateError):
+                message.set_exception(exc)
 
     def _track(self, key: str, fut: asyncio.Future[Any]) -> asyncio.Future[Any]:
         """Keep ``fut`` as ``key``'s acknowledgement until it resolves without an error."""

@@ -313,6 +313,31 @@ def producer_buffer_size(app: Any) -> int:
     return size if isinstance(size, int) else 0
 
 
+def changelog_message(
+    table: Any, partition: int | None, key: Any, value: Any, value_serializer: str | None = None
+) -> Any:
+    """The changelog record of a write to ``table``, made as ``table.send_changelog`` makes it (the
+    table's serializers, eager partitioning, and the callback that stores the record's offset with
+    the table's data) but not put in Faust's producer buffer: the caller publishes it with
+    ``message.channel.publish_message(message, wait=False)``, as that buffer's sender does. A delete
+    is ``value=None`` with ``value_serializer="raw"``, as Faust's own ``on_key_del`` sends it.
+
+    Why: every record in that buffer counts towards the 100 past which Faust's conductor stops
+    delivering records to every stream (:func:`producer_buffer_size`); the reply book writes one
+    record per reply and awaits each one's acknowledgement anyway (agents/durable_table.py).
+    Private: ``Table._on_changelog_sent``.
+    """
+    return table.changelog_topic.as_future_message(
+        key=key,
+        value=value,
+        partition=partition,
+        key_serializer=table.key_serializer,
+        value_serializer=value_serializer or table.value_serializer,
+        callback=table._on_changelog_sent,
+        eager_partitioning=True,
+    )
+
+
 def producer_backlog(producer: AIOKafkaProducer) -> dict[str, Any]:
     """What an aiokafka producer still holds, for a log line when a send waits too long: per
     partition the batches not yet sent (their age in seconds, how often tried, the partition's

@@ -16,6 +16,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -383,15 +384,15 @@ def hold_reply_records(
     ``which`` selects until the returned event is set: the records are sent as usual, and the others
     are acknowledged as they come (a record on another partition may be acknowledged first). Each
     record held adds one entry to ``held``, so a test can tell that it held something."""
-    assert w.rt.book_table is not None
-    table = w.rt.book_table.table
+    book = w.rt.book_table
+    assert book is not None
     release = asyncio.Event()
-    send_changelog = table.send_changelog
+    send = book._send
     if held is None:
         held = []
 
-    def delayed(partition: int | None, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
-        fut = send_changelog(partition, key, value, *args, **kwargs)
+    def delayed(partition: int | None, key: str, value: Any, value_serializer: str | None = None) -> Any:
+        fut = send(partition, key, value, value_serializer)
         if not which(json.dumps(value)):
             return fut
         acknowledged = FutureMessage(fut.message)  # what Faust returns: it names the partition
@@ -406,7 +407,7 @@ def hold_reply_records(
         held.append(asyncio.ensure_future(later()))
         return acknowledged
 
-    monkeypatch.setattr(table, "send_changelog", delayed)
+    monkeypatch.setattr(book, "_send", delayed)
     return release
 
 
@@ -572,6 +573,47 @@ async def test_an_expired_reply_record_is_deleted_on_the_partition_that_holds_it
             assert len({p for p, _ in writes}) == 1, f"{key}: its tombstone went elsewhere: {writes}"
 
 
+@dataclass
+class _Handled:
+    """A stand-in for the event being handled (Faust keeps a weak reference to it)."""
+
+    message: SimpleNamespace
+
+
+async def test_reply_book_records_skip_faust_s_producer_buffer_and_keep_their_offsets(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    """Each reply writes one reply-book record. In Faust's producer buffer those records stopped every
+    stream of the worker, the intake's too, whenever more than 100 waited (``wait_until_ebb``); the
+    book sends them itself, in order, and Faust still stores each one's offset with the table's
+    data (what a restart reads to know what it has), as its own buffer would."""
+    from pipeline.compat import as_current_event, producer_buffer_size
+
+    async with inprocess(kafka, tmp_path) as w:
+        book = w.rt.book_table
+        assert book is not None
+        keys = [f"k{i:03d}" for i in range(300)]
+        # the store writes to the database of the current event's partition, as in the reply path
+        handled = _Handled(message=SimpleNamespace(partition=0))
+        with as_current_event(handled):  # type: ignore[arg-type]
+            for k in keys:
+                book[k] = {"reply": f"reply to {k}", "at_ms": 1}
+        assert producer_buffer_size(w.rt.app) == 0, "none of the 300 records is in Faust's buffer"
+        assert book.waiting() > 0
+        acks = [book.durable(k) for k in keys]
+        metas = await asyncio.wait_for(asyncio.gather(*[a for a in acks if a is not None]), 30)
+        assert book.waiting() == 0 and all(book.durable(k) is None for k in keys)
+        by_tp: dict[Any, list[int]] = {}
+        for m in metas:
+            by_tp.setdefault(m.topic_partition, []).append(m.offset)
+        for tp, offsets in by_tp.items():
+            assert offsets == sorted(offsets), "sent in the order written"
+            assert book.table.data.persisted_offset(tp) == max(offsets), tp
+        topic = f"{w.deployment.settings.app_id}-replybook-changelog"
+        written = {json.loads(r.key) for r in await w.records(topic, 300)}
+        assert set(keys) <= written
+
+
 async def test_a_user_over_its_rate_limit_gets_the_rate_limit_error(
     kafka: EmbeddedKafka, tmp_path: Path
 ) -> None:
@@ -707,7 +749,11 @@ async def test_a_rebalance_gives_back_queued_work_and_what_it_finished_behind_it
         assigned = set(w.rt.app.consumer.assignment())
         others = {tp for tp in assigned if (tp.topic, tp.partition) != (work_topic, work.partition)}
         assert inf.give_back(others) == 0 and inf.scheduler.depth() == 1, "its partition is kept"
+        request_tp = next(tp for tp in assigned if tp.topic == w.topics.requests)
+        w.rt.intake_backlog.record(request_tp, -100)  # as if the intake were 100 records behind in it
+        assert w.rt.intake_backlog.behind(), "the consumer knows the partition's high watermark"
         await life.on_revoked(assigned)  # what Faust calls when a rebalance starts
+        assert not w.rt.intake_backlog.behind(), "a revoked request partition holds nobody back"
         assert acker.given_back == 1 and inf.scheduler.depth() == 0 and not inf._inflight
         assert not life.revoking, "readers may take records again"
         (first,) = await w.replies(busy)

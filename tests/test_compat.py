@@ -69,6 +69,15 @@ def test_the_private_attributes_exist() -> None:
     assert "await self.sleep(1.0)" in on_start
     assert on_start.index("await self._update_channels()") < on_start.index("await self.recovery.start()")
     assert inspect.iscoroutinefunction(TableManager._update_channels)
+    # changelog_message: the reply book's records made as Table.send_changelog makes them, with the
+    # callback that stores each record's offset with the table's data
+    from faust.tables.base import Collection
+
+    send_changelog = inspect.getsource(Collection.send_changelog)
+    assert (
+        "callback=self._on_changelog_sent" in send_changelog and "eager_partitioning=True" in send_changelog
+    )
+    assert "set_persisted_offset(" in inspect.getsource(Collection._on_changelog_sent)
     # the Acker seeks with seek_wait (run on the consumer's own thread, waits for the position)
     assert "call_thread(self._seek_wait" in inspect.getsource(faust_aiokafka.AIOKafkaConsumerThread.seek_wait)
 
