@@ -49,7 +49,7 @@ class DurableTable(MutableMapping[str, Any]):
         """Send the changelog record and write the local store, keeping the send's future (the
         same two steps as the table's own ``__setitem__``, which drops it). Nothing is written
         when the send cannot be queued (no metadata for the changelog yet): the caller tries again."""
-        fut = self._send(None, key, value)
+        fut = self._enqueue_record(None, key, value)
         self.table.data[key] = value
         self._track(key, fut)
 
@@ -59,7 +59,7 @@ class DurableTable(MutableMapping[str, Any]):
         of one sent after it (Faust's own delete would take its buffer, and overtake the outbox)."""
         if self.table.data.get(key) is None:
             raise KeyError(key)
-        self._track(key, self._send(None, key, None, value_serializer="raw"))
+        self._track(key, self._enqueue_record(None, key, None, value_serializer="raw"))
         del self.table.data[key]
 
     def __iter__(self) -> Iterator[str]:
@@ -86,23 +86,23 @@ class DurableTable(MutableMapping[str, Any]):
         last = self._pending.get(key)
         message = getattr(last, "message", None)
         partition = getattr(message, "partition", None)
-        return self._track(key, self._send(partition, key, self.table.data[key]))
+        return self._track(key, self._enqueue_record(partition, key, self.table.data[key]))
 
     def waiting(self) -> int:
         """Records made and not yet handed to the Kafka producer."""
         return len(self._outbox)
 
-    def _send(
+    def _enqueue_record(
         self, partition: int | None, key: str, value: Any, value_serializer: str | None = None
     ) -> asyncio.Future[Any]:
         """Queue the changelog record (raises, queueing nothing, without the changelog's metadata)."""
         message = changelog_message(self.table, partition, key, value, value_serializer)
         self._outbox.append(message)
         if self._sender is None or self._sender.done():
-            self._sender = asyncio.ensure_future(self._send_outbox())
+            self._sender = asyncio.ensure_future(self._drain_outbox())
         return message
 
-    async def _send_outbox(self) -> None:
+    async def _drain_outbox(self) -> None:
         """Hand each queued record to the producer, in order; a record that cannot be handed over
         fails its future, which the reply path then sends again (:meth:`resend`)."""
         while self._outbox:
@@ -110,15 +110,15 @@ class DurableTable(MutableMapping[str, Any]):
             try:
                 await message.message.channel.publish_message(message, wait=False)
             except asyncio.CancelledError:
-                self._fail(message, ConnectionError("the worker stopped before the record was sent"))
+                self._fail_record(message, ConnectionError("the worker stopped before the record was sent"))
                 while self._outbox:
-                    self._fail(self._outbox.popleft(), ConnectionError("the worker stopped"))
+                    self._fail_record(self._outbox.popleft(), ConnectionError("the worker stopped"))
                 raise
             except Exception as exc:
-                self._fail(message, exc)
+                self._fail_record(message, exc)
 
     @staticmethod
-    def _fail(message: asyncio.Future[Any], exc: BaseException) -> None:
+    def _fail_record(message: asyncio.Future[Any], exc: BaseException) -> None:
         if not message.done():
             with contextlib.suppress(asyncio.InvalidStateError):
                 message.set_exception(exc)

@@ -24,10 +24,10 @@ import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import faust
-from faust.types import TP, EventT
+from faust.types import TP, ChannelT, EventT
 from pydantic import ValidationError
 
 from agents.acks import Ticket
@@ -43,6 +43,7 @@ from pipeline.dedup import is_embeddable
 from pipeline.degrade import DegradationController, DegradePlan, MissRateWindow, pressure_depth
 from pipeline.exceptions import DeadlineExceededError, SurgeError
 from pipeline.inference_config import degrade_config, scheduler_config
+from pipeline.intake_backlog import holding_would_block
 from pipeline.isolation import RetryPolicy, run_isolated
 from pipeline.keys import cache_key, reply_key, scope_of, source_key
 from pipeline.merge import MergeRegistry
@@ -68,6 +69,14 @@ log = logging.getLogger("surge.inference")
 INTAKE_RECHECK_S = 0.02
 #: the level-3 answer when the template model has none
 BUSY_FALLBACK = "We are very busy right now; please try again shortly."
+
+
+def stream_buffer_filling(stream: faust.StreamT) -> bool:
+    """Whether Faust's buffer of ``stream`` (its channel's queue, shared by the topic's partitions)
+    is close enough to full that a reader holding back could fill it, and a full one blocks the
+    delivery of records to every stream of the worker (docs/architecture.md, "Intake first")."""
+    queue = cast(ChannelT, stream.channel).queue
+    return holding_would_block(queue.qsize(), queue.maxsize)
 
 
 def decode_work_item(event: EventT) -> WorkItem:
@@ -208,12 +217,14 @@ class Inference:
         }
 
     # ---- admission (one reader per class) ---------------------------------------------------------
-    def can_admit(self, priority: str) -> bool:
+    def can_admit(self, priority: str, buffer_filling: bool = False) -> bool:
         """Whether a reader of ``priority`` may take its next record; called before each read.
 
         Room in the class (embedding backlog included), room in the embedding backlog, and (under
         EDF) nothing waiting in any higher class. Never while the worker is stopping or giving up its
-        partitions (a record held then is read again by its partition's owner).
+        partitions (a record held then is read again by its partition's owner). ``buffer_filling``:
+        the reader's stream buffer is close to full, and holding on for the intake could stop the
+        intake itself (:func:`pipeline.intake_backlog.holding_would_block`).
         """
         s = self.rt.settings
         life = self.rt.lifecycle
@@ -230,7 +241,7 @@ class Inference:
         # lower classes' embedding backlog never holds a higher class back
         if any(self.waiting(higher) for higher in PRIORITIES[:rank]):
             return False
-        if self._yields_to_intake(priority):
+        if not buffer_filling and self._yields_to_intake(priority):
             return False
         return len(self._arrivals[priority]) < s.embed_queue_limit
 
@@ -246,7 +257,21 @@ class Inference:
             and producer_buffer_size(self.rt.app) > s.changelog_buffer_limit_records
         ):
             return True
-        return s.intake_first_enabled and self.rt.intake_backlog.behind()
+        if not s.intake_first_enabled:
+            return False
+        backlog = self.rt.intake_backlog
+        gave_way = backlog.gave_way
+        behind = backlog.behind(now_ms())
+        if backlog.gave_way != gave_way:
+            log.warning(
+                "the intake took no request for %d ms although requests wait: batch and offline "
+                "reading go on (Faust's producer buffer %d; %d admitted, %d waiting to be embedded)",
+                s.intake_first_stall_ms,
+                producer_buffer_size(self.rt.app),
+                sum(self.waiting(p) for p in PRIORITIES),
+                sum(len(w) for w in self._arrivals.values()),
+            )
+        return behind
 
     def work_bound(self) -> int:
         """How many items this worker keeps admitted: about ``queue_target_ms`` of measured
@@ -258,8 +283,8 @@ class Inference:
             return max(2 * batch, min(s.queue_limit_per_class, 8 * batch))
         return int(min(s.queue_limit_per_class, max(2 * batch, s.queue_target_ms / per_item_ms)))
 
-    async def _wait_admit(self, priority: str) -> None:
-        while not self.can_admit(priority):
+    async def _wait_admit(self, priority: str, stream: faust.StreamT) -> None:
+        while not self.can_admit(priority, stream_buffer_filling(stream)):
             # While this reader waits, Faust's flow control pauses the topic's partitions once the
             # stream buffer (stream_buffer_max_records) is full: the backlog stays in Kafka.
             self._blocked.add(priority)
@@ -282,7 +307,7 @@ class Inference:
         if rt.acker.done_here(event, generation):  # finished before a rebalance: acked, no work
             await rt.acker.track(event, generation)
             return
-        await self._wait_admit(priority)
+        await self._wait_admit(priority, stream)
         await rt.lifecycle.hold_if_stopping()
         # tracked only once admitted: a record still held by a waiting reader at a stop or a
         # rebalance was not worked on, and its next owner reads it without it being a repeat

@@ -75,7 +75,7 @@ class Intake:
         ticket = await rt.acker.track(event, generation)
         if ticket is None:
             return
-        rt.intake_backlog.record(msg.tp, msg.offset)
+        rt.intake_backlog.record(msg.tp, msg.offset, now_ms())
         futures: list[Awaitable[Any]] = []
         try:
             req = decode_request(

@@ -105,7 +105,9 @@ class Runtime:
         )
         self.reply_topics = KnownTopics(lambda name: topic_exists(self.app.producer, name))
         self.intake_backlog = IntakeBacklog(
-            self.settings.intake_first_lag_records, lambda tp: highwater(self.app, tp)
+            self.settings.intake_first_lag_records,
+            self.settings.intake_first_stall_ms,
+            lambda tp: highwater(self.app, tp),
         )
 
     async def reply_topic(self, reply_to: str | None) -> str:

@@ -30,22 +30,36 @@ class IntakeBacklog:
 
     A partition counts while it is this worker's: the high watermark function answers None for one not
     assigned (the consumer knows none), and the rebalance forgets revoked ones. How long ago the intake
-    took from it does not matter: an intake held up for a while (by the event loop, or by Faust's
-    producer buffer) is exactly the one the low classes must yield to, and a time limit made its
-    backlog invisible then.
+    took from one partition does not matter: an intake held up for a while (by the event loop, or by
+    Faust's producer buffer) is exactly the one the low classes must yield to.
+
+    ``stall_ms``: a hold must never stop the worker. When the intake has taken nothing at all for this
+    long while it is behind, what holds it up is not the low classes' work (they are held), and the
+    hold gives way until the intake takes a record again; :attr:`gave_way` counts those times. (An
+    earlier version ignored each partition a second after its last take, and lost the hold whenever
+    the intake was slow; with no time limit at all, a worker stopped answering in one benchmark run:
+    the intake took nothing for minutes while records waited, and the batch and offline readers held
+    on for it.)
     """
 
-    def __init__(self, limit_records: int, highwater: Highwater) -> None:
-        if limit_records < 0:
-            raise ValueError(f"limit_records must be >= 0, got {limit_records}")
+    def __init__(self, limit_records: int, stall_ms: float, highwater: Highwater) -> None:
+        if limit_records < 0 or stall_ms <= 0:
+            raise ValueError(f"limit_records must be >= 0 and stall_ms > 0, got {limit_records}, {stall_ms}")
         self.limit_records = limit_records
+        self.stall_ms = stall_ms
         self._highwater = highwater
         self._taken: dict[Hashable, int] = {}
+        self._last_take_ms: float | None = None
         self._behind = False
+        self._gave_way = False
+        #: times the hold gave way to a stalled intake
+        self.gave_way = 0
 
-    def record(self, partition: Hashable, offset: int) -> None:
+    def record(self, partition: Hashable, offset: int, now_ms: float) -> None:
         """Called by the intake for each request it takes on."""
         self._taken[partition] = offset
+        self._last_take_ms = now_ms
+        self._gave_way = False
 
     def forget(self, partitions: Iterable[Hashable]) -> None:
         """Called on a rebalance with the partitions this worker gave up: their next owner reads them,
@@ -62,9 +76,30 @@ class IntakeBacklog:
                 most = max(most, highwater - offset - 1)
         return most
 
-    def behind(self) -> bool:
-        """Whether the intake is behind: some partition it reads has more than ``limit_records``
-        waiting, or had and still has any."""
+    def behind(self, now_ms: float) -> bool:
+        """Whether the low classes yield to the intake: some partition it reads has more than
+        ``limit_records`` waiting, or had and still has any; unless the intake has taken nothing for
+        ``stall_ms``."""
         most = self._most_waiting()
         self._behind = most > 0 if self._behind else most > self.limit_records
-        return self._behind
+        if not self._behind or self._last_take_ms is None:
+            return self._behind
+        if now_ms - self._last_take_ms <= self.stall_ms:
+            return True
+        if not self._gave_way:
+            self._gave_way = True
+            self.gave_way += 1
+        return False
+
+
+#: a held reader's stream buffer past this share of its capacity is not held any longer: Faust pauses a
+#: partition's fetch at 80 % (``maxsize / 1.25``), one poll (at most a tenth of the buffer, see
+#: ``stream_buffer_max_records``) may still arrive after that, and a full buffer blocks the delivery of
+#: records to every stream of the worker, the intake's too, which the hold then waits for
+HOLD_RELEASE_FILL = 0.9
+
+
+def holding_would_block(queued: int, capacity: int) -> bool:
+    """Whether a reader holding back while ``queued`` records fill its stream buffer of ``capacity``
+    risks that buffer filling up (0 capacity: unbounded, never)."""
+    return capacity > 0 and queued > HOLD_RELEASE_FILL * capacity

@@ -296,6 +296,13 @@ class Settings(BaseSettings):
         description="with intake_first_enabled, batch and offline reading stops once more than this many "
         "requests wait behind the intake in one request partition, and resumes once none waits",
     )
+    intake_first_stall_ms: int = Field(
+        2_000,
+        ge=1,
+        description="with intake_first_enabled, the hold gives way while the intake has taken no request "
+        "for this long although requests wait: the low classes are held, so something else holds the "
+        "intake up, and a hold must never stop the worker (logged as a warning)",
+    )
     changelog_buffer_limit_records: int = Field(
         50,
         ge=0,

@@ -13,6 +13,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from pipeline.client import SurgeClient
 from pipeline.compat import forget_topic_metadata, refresh_metadata
 from pipeline.devtools.broker import EmbeddedKafka, free_port
 from pipeline.keys import reply_key
-from pipeline.records import DeadLetter, InferenceReply, now_ms
+from pipeline.records import DeadLetter, InferenceReply, InferenceRequest, WorkItem, encode, now_ms
 from pipeline.terms import PRIORITIES
 from pipeline.topics import TopicNames
 from tests.conftest import Deployment, request
@@ -387,7 +388,7 @@ def hold_reply_records(
     book = w.rt.book_table
     assert book is not None
     release = asyncio.Event()
-    send = book._send
+    send = book._enqueue_record
     if held is None:
         held = []
 
@@ -407,7 +408,7 @@ def hold_reply_records(
         held.append(asyncio.ensure_future(later()))
         return acknowledged
 
-    monkeypatch.setattr(book, "_send", delayed)
+    monkeypatch.setattr(book, "_enqueue_record", delayed)
     return release
 
 
@@ -648,7 +649,7 @@ async def test_records_thrown_away_when_faust_resumes_its_flow_are_read_again(
         assert inf is not None
         admit = inf.can_admit
         held = {"batch"}
-        inf.can_admit = lambda priority: priority not in held and admit(priority)  # type: ignore[method-assign]
+        inf.can_admit = lambda priority, *more: priority not in held and admit(priority, *more)  # type: ignore[method-assign]
         futures = [
             await w.client.submit(request(f"b{i}", "user-held", f"held question {i}", priority="batch"))
             for i in range(5)
@@ -714,6 +715,50 @@ async def test_followers_of_a_leader_degraded_while_queued_say_so_and_are_not_re
         assert busy_reply.status == "ok"
 
 
+async def test_batch_reading_goes_on_when_the_intake_takes_nothing_at_all(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    """Batch reading yields to an intake that has requests waiting, but a hold must never stop the
+    worker: when the intake takes nothing for ``intake_first_stall_ms`` (here it waits for something
+    that never comes), the batch work already on its topic is answered all the same. With no such
+    limit, a worker stopped answering in one benchmark run (docs/architecture.md, "Intake first")."""
+    async with inprocess(kafka, tmp_path, intake_first_stall_ms="700") as w:
+        (warm,) = await w.replies(await w.client.submit(request("warm", "u0", "hello", priority="batch")))
+        assert warm.status == "ok"
+        w.rt.lifecycle.writes_ready.clear()  # the intake waits on this before each record: it stalls
+        for i in range(60):  # requests pile up behind it (one user: the partition it took "warm" from)
+            await w.client.submit(request(f"stuck{i}", "u0", f"question {i}"))
+        await w.client.producer.flush()
+        backlog = w.rt.intake_backlog
+        for _ in range(100):  # the consumer fetched them: the intake is behind
+            if backlog.behind(now_ms()) or backlog.gave_way:
+                break
+            await asyncio.sleep(0.05)
+        assert backlog.behind(now_ms()), "60 requests wait behind the intake"
+        # batch work the intake forwarded before it stalled, as it wrote it
+        futures = []
+        for i in range(5):
+            req = InferenceRequest(request_id=f"r-b{i}", user_id=f"bulk{i}", prompt=f"bulk question {i}")
+            item = WorkItem(
+                request=req,
+                priority="batch",
+                tier="standard",
+                reply_to=w.topics.replies,
+                created_at_ms=now_ms(),
+                arrival_ms=now_ms(),
+                deadline_at_ms=now_ms() + 60_000,
+            )
+            futures.append(w.client.expect(req.request_id))
+            await w.client.producer.send(w.topics.work("batch"), value=encode(item), key=req.user_id.encode())
+        t0 = time.monotonic()
+        answers = await w.replies(*futures)
+        waited = time.monotonic() - t0
+        assert all(a.status == "ok" for a in answers), answers
+        assert backlog.gave_way >= 1, "the hold gave way to the stalled intake"
+        assert waited >= 0.5, f"held while the intake might still have moved ({waited:.2f} s)"
+        w.rt.lifecycle.writes_ready.set()
+
+
 @pytest.mark.parametrize("next_owner", ["this worker", "another worker"])
 async def test_a_rebalance_gives_back_queued_work_and_what_it_finished_behind_it_is_not_done_twice(
     kafka: EmbeddedKafka, tmp_path: Path, next_owner: str
@@ -750,10 +795,10 @@ async def test_a_rebalance_gives_back_queued_work_and_what_it_finished_behind_it
         others = {tp for tp in assigned if (tp.topic, tp.partition) != (work_topic, work.partition)}
         assert inf.give_back(others) == 0 and inf.scheduler.depth() == 1, "its partition is kept"
         request_tp = next(tp for tp in assigned if tp.topic == w.topics.requests)
-        w.rt.intake_backlog.record(request_tp, -100)  # as if the intake were 100 records behind in it
-        assert w.rt.intake_backlog.behind(), "the consumer knows the partition's high watermark"
+        w.rt.intake_backlog.record(request_tp, -100, now_ms())  # as if 100 records waited behind the intake
+        assert w.rt.intake_backlog.behind(now_ms()), "the consumer knows the partition's high watermark"
         await life.on_revoked(assigned)  # what Faust calls when a rebalance starts
-        assert not w.rt.intake_backlog.behind(), "a revoked request partition holds nobody back"
+        assert not w.rt.intake_backlog.behind(now_ms()), "a revoked request partition holds nobody back"
         assert acker.given_back == 1 and inf.scheduler.depth() == 0 and not inf._inflight
         assert not life.revoking, "readers may take records again"
         (first,) = await w.replies(busy)
