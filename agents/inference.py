@@ -245,17 +245,22 @@ class Inference:
             return False
         return len(self._arrivals[priority]) < s.embed_queue_limit
 
+    def unsent_writes(self) -> int:
+        """Writes made and not yet handed to the producer: table writes in Faust's producer buffer,
+        the reply book's records in its outbox, and replies waiting (in order) for their records.
+        A real-time reply waits behind all of them."""
+        rt = self.rt
+        book = rt.book_table.waiting() if rt.book_table is not None else 0
+        return producer_buffer_size(rt.app) + book + rt.replies_in_order.waiting
+
     def _yields_to_intake(self, priority: str) -> bool:
         """Batch and offline work waits while this worker's intake is behind on the request topic
-        (pipeline.intake_backlog), or while Faust's producer buffer is close to the size at which it
-        stops delivering records to the intake (docs/architecture.md, "Intake first")."""
+        (pipeline.intake_backlog), or while many writes wait to be handed to the producer
+        (:meth:`unsent_writes`; docs/architecture.md, "Intake first")."""
         if RANK[priority] < RANK[Priority.BATCH]:
             return False
         s = self.rt.settings
-        if (
-            s.changelog_buffer_limit_records
-            and producer_buffer_size(self.rt.app) > s.changelog_buffer_limit_records
-        ):
+        if s.changelog_buffer_limit_records and self.unsent_writes() > s.changelog_buffer_limit_records:
             return True
         if not s.intake_first_enabled:
             return False

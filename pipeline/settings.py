@@ -306,10 +306,11 @@ class Settings(BaseSettings):
     changelog_buffer_limit_records: int = Field(
         50,
         ge=0,
-        description="batch and offline work is not read while more than this many table writes wait in "
-        "Faust's producer buffer: past 100 Faust stops delivering records to every stream of the worker, "
-        "the intake's too, until it has sent them, and a fast drain of cheap low-class replies (one "
-        "reply-book write each) held real-time requests for 5 s; 0: off",
+        description="batch and offline work is not read while more than this many writes wait to be "
+        "handed to the producer: table writes in Faust's producer buffer (past 100 Faust stops "
+        "delivering records to every stream, the intake's too), reply-book records in the book's "
+        "outbox, and replies waiting in order for their records (a real-time reply waits behind them "
+        "all); a fast drain of cheap low-class replies held real-time requests for seconds; 0: off",
     )
     embed_queue_limit: int = Field(
         128, ge=1, description="admitted items waiting to be embedded before readers stop reading"

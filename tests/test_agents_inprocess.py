@@ -446,6 +446,40 @@ async def test_a_reply_is_sent_only_once_its_reply_book_record_is_on_the_broker(
             assert entry["reply"].encode() == sent[rid], f"{rid}: the reply sent is not the one recorded"
 
 
+async def test_batch_reading_waits_while_replies_wait_for_their_records(
+    kafka: EmbeddedKafka, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replies leave in order, each once its reply-book record is acknowledged, so a real-time reply
+    waits behind every reply made before it. Batch reading stops while more than
+    ``changelog_buffer_limit_records`` writes and replies wait to be handed to the producer: with
+    the records' acknowledgements held, a backlog of 40 batch requests is not all read and answered
+    into that queue (without the rule, all 40 waited there)."""
+    env = {
+        "changelog_buffer_limit_records": "5",
+        "queue_limit_per_class": "8",
+        "max_batch_size": "4",
+        "base_batch_size": "2",
+    }
+    async with inprocess(kafka, tmp_path, cache_enabled="false", dedup_enabled="false", **env) as w:
+        inf = w.rt.inference
+        assert inf is not None
+        (warm,) = await w.replies(await w.client.submit(request("warm", "u0", "hello")))
+        assert warm.status == "ok"
+        release = hold_reply_records(w, monkeypatch, lambda value: True)
+        futures = [
+            await w.client.submit(request(f"bulk{i}", f"user{i}", f"bulk question {i}", priority="batch"))
+            for i in range(40)
+        ]
+        await w.client.producer.flush()
+        await asyncio.sleep(3.0)
+        waiting = inf.unsent_writes()
+        assert 5 < waiting <= 5 + 8 + 4, f"{waiting} writes and replies wait"
+        assert "batch" in inf._blocked, "the batch reader waits"
+        release.set()
+        answers = await w.replies(*futures)
+        assert all(a.status == "ok" for a in answers)
+
+
 async def test_a_users_replies_keep_their_order_when_a_later_record_is_acknowledged_first(
     kafka: EmbeddedKafka, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
