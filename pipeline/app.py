@@ -76,7 +76,7 @@ def create_app(settings: Settings) -> faust.App:
     """A Faust app with RocksDB tables, the configured broker and at-least-once commits after acks."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     # Faust's worker consumer would otherwise wait up to 1.5 s per fetch (see set_fetch_max_wait)
-    set_fetch_max_wait(settings.fetch_max_wait_ms)
+    set_fetch_max_wait(settings.fetch_max_wait_ms, settings.fetch_prefetch_backoff_ms)
     # a produce request the broker never answers would hold every later record for Faust's 20 minutes
     # (see bound_produce_request_wait; docs/architecture.md, "Guarantees")
     bound_produce_request_wait(settings.producer_request_timeout_ms)

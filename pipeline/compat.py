@@ -239,7 +239,7 @@ def scan_partition(table: Any, partition: int, after: bytes | None, limit: int) 
     return out
 
 
-def set_fetch_max_wait(max_wait_ms: int) -> None:
+def set_fetch_max_wait(max_wait_ms: int, prefetch_backoff_ms: int | None = None) -> None:
     """Make Faust's worker consumer wait at most ``max_wait_ms`` for data in one fetch.
 
     Faust creates its aiokafka consumer with ``fetch_max_wait_ms=1500``, hard-coded. aiokafka keeps
@@ -247,9 +247,17 @@ def set_fetch_max_wait(max_wait_ms: int) -> None:
     request was sent (paused by flow control, or its last batch still being handed over) waits for
     the request to come back, up to the full wait. In a worker whose readers pause and resume their
     partitions all the time, that put requests in steps of about 1.6 s. Called once, before the
-    worker starts; the consumer reads the value when it starts its fetcher. Private:
-    ``faust.transport.drivers.aiokafka.AIOKafkaConsumerThread._create_worker_consumer`` and
-    ``aiokafka.AIOKafkaConsumer._fetch_max_wait_ms``.
+    worker starts; the consumer reads the value when it starts its fetcher.
+
+    ``prefetch_backoff_ms``: aiokafka's fetcher sends no fetch at all to a broker while records it
+    fetched for any partition of that broker wait unread, for up to its ``prefetch_backoff`` (0.1 s,
+    not a consumer option). Faust leaves some fetched records unread for a while (partitions it took
+    out of its active set), so every partition, the request topic's too, was fetched in steps of about
+    100 ms: a worker's first requests reached the intake in bursts 100 ms apart (docs/architecture.md,
+    "Intake first"). Set on the fetcher once the consumer has started it. Private:
+    ``faust.transport.drivers.aiokafka.AIOKafkaConsumerThread._create_worker_consumer``,
+    ``aiokafka.AIOKafkaConsumer._fetch_max_wait_ms`` and ``_fetcher``,
+    ``aiokafka.consumer.fetcher.Fetcher._prefetch_backoff``.
     """
     from faust.transport.drivers import aiokafka as driver
 
@@ -262,9 +270,28 @@ def set_fetch_max_wait(max_wait_ms: int) -> None:
     def create(self: Any, transport: Any) -> AIOKafkaConsumer:
         consumer = original(self, transport)
         consumer._fetch_max_wait_ms = max_wait_ms
+        if prefetch_backoff_ms is not None:
+            set_prefetch_backoff(consumer, prefetch_backoff_ms)
         return consumer
 
     thread_cls._create_worker_consumer = create
+
+
+def set_prefetch_backoff(consumer: AIOKafkaConsumer, backoff_ms: int) -> None:
+    """Make ``consumer``'s fetcher hold fetches back for at most ``backoff_ms`` while records it
+    fetched wait unread (see :func:`set_fetch_max_wait`): set now when the fetcher exists, else as
+    soon as ``start`` has made it. Private: ``AIOKafkaConsumer._fetcher``,
+    ``Fetcher._prefetch_backoff``."""
+    if consumer._fetcher is not None:
+        consumer._fetcher._prefetch_backoff = backoff_ms / 1000
+        return
+    start = consumer.start
+
+    async def start_then_set() -> None:
+        await start()
+        consumer._fetcher._prefetch_backoff = backoff_ms / 1000
+
+    consumer.start = start_then_set
 
 
 def bound_produce_request_wait(timeout_ms: int) -> None:

@@ -80,6 +80,14 @@ class Settings(BaseSettings):
         description="longest one fetch of the worker's consumer waits for data, ms (Faust's own 1500 put "
         "requests in steps of about 1.6 s whenever readers paused and resumed their partitions)",
     )
+    fetch_prefetch_backoff_ms: int = Field(
+        5,
+        ge=1,
+        le=1_000,
+        description="longest the worker's consumer holds back every fetch to a broker while records it "
+        "fetched for one partition of that broker wait unread (aiokafka's own 100 put the first "
+        "requests of a worker in bursts 100 ms apart, and real-time requests missed their deadline)",
+    )
     data_dir: Path = Field(Path(".surge-data"), description="folder of the RocksDB table stores")
     stream_buffer_max_records: int = Field(
         2048,

@@ -211,6 +211,57 @@ async def test_the_worker_consumer_waits_at_most_the_fetch_wait_asked() -> None:
         faust_aiokafka.AIOKafkaConsumerThread._create_worker_consumer = original
 
 
+async def _delivery_ms(bootstrap: str, topic: str, backoff_ms: int | None) -> float:
+    """How long a record on partition 1 takes to be handed over while partition 0's fetched records
+    wait unread for a while (as Faust leaves those of partitions it took out of its active set, and
+    reads later); median of 5."""
+    from aiokafka import AIOKafkaProducer, TopicPartition
+
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, fetch_max_wait_ms=10, enable_auto_commit=False)
+    if backoff_ms is not None:
+        compat.set_prefetch_backoff(consumer, backoff_ms)
+    await producer.start()
+    await consumer.start()
+    try:
+        p0, p1 = TopicPartition(topic, 0), TopicPartition(topic, 1)
+        consumer.assign([p0, p1])
+        await consumer.seek_to_end(p0, p1)
+        times = []
+        for n in range(5):
+            await producer.send_and_wait(topic, b"waits unread", partition=0)
+            await asyncio.sleep(0.03)  # fetched (10 ms fetch wait), and left in the fetcher
+            await asyncio.sleep(0)
+            t0 = asyncio.get_running_loop().time()
+            await producer.send_and_wait(topic, f"wanted {n}".encode(), partition=1)
+            got = await consumer.getmany(p1, timeout_ms=2_000)
+            assert got.get(p1), "the record on partition 1 came"
+            times.append((asyncio.get_running_loop().time() - t0) * 1000)
+            assert (await consumer.getmany(p0, timeout_ms=2_000)).get(p0), "read at last"
+        return sorted(times)[2]
+    finally:
+        await consumer.stop()
+        await producer.stop()
+
+
+async def test_unread_records_of_one_partition_hold_other_fetches_back_for_the_prefetch_backoff_only(
+    kafka: EmbeddedKafka,
+) -> None:
+    """aiokafka sends no fetch to a broker while records fetched for any of its partitions wait
+    unread, for up to ``prefetch_backoff`` (0.1 s, not a consumer option): every other partition of
+    that broker is fetched in steps of about 100 ms. surge's worker consumer sets it to
+    ``fetch_prefetch_backoff_ms`` (a worker's first requests reached the intake in such steps)."""
+    from aiokafka.consumer.fetcher import Fetcher
+
+    assert inspect.signature(Fetcher.__init__).parameters["prefetch_backoff"].default == 0.1
+    assert "if node_id in backoff_by_nodes:" in inspect.getsource(Fetcher._get_actions_per_node)
+    topic = await _create_topic(kafka.bootstrap, 2)
+    held = await _delivery_ms(kafka.bootstrap, topic, None)
+    quick = await _delivery_ms(kafka.bootstrap, topic, 5)
+    assert held >= 40, f"aiokafka's own backoff: {held:.0f} ms"
+    assert quick < 50 and quick < held / 2, f"{quick:.0f} ms with 5 ms against {held:.0f} ms"
+
+
 def test_flow_control_resume_empties_the_stream_buffers_after_the_callback_saw_them() -> None:
     # Faust resumes its flow at the end of every rebalance's recovery, and mode's resume() clears
     # every managed buffer: the records in them are thrown away (agents/worker.py seeks back)
