@@ -454,7 +454,13 @@ def realtime_misses(
         if first is not None and first.reply.get("status") == "ok" and not late:
             continue
         t = r.created_ms / 1000
-        nearest = min(((a - t) * -1 if t < a else t - b for a, b in spans), key=abs, default=None)
+        nearest = min((t - a if t < a else t - b for a, b in spans), key=abs, default=None)
+        if first is None:
+            code = "lost"
+        elif first.reply.get("status") == "ok":
+            code = "late_ok"
+        else:
+            code = reply_code(first.reply)
         out.append(
             {
                 "at_s": round(t - t0, 2),
@@ -462,11 +468,7 @@ def realtime_misses(
                 "latency_ms": None if first is None else round(latency_ms(r, first), 1),
                 "produced_after_ms": None if first is None else first.ts_ms - r.created_ms,
                 "sender_lag_ms": round(r.lag_ms, 1),
-                "code": "lost"
-                if first is None
-                else "late_ok"
-                if first.reply.get("status") == "ok"
-                else reply_code(first.reply),
+                "code": code,
                 "partition": r.partition,
             }
         )
