@@ -348,6 +348,25 @@ def test_failover_lists_each_realtime_miss_with_its_distance_to_a_window() -> No
     assert out[0]["latency_ms"] == 350.0 and out[1]["latency_ms"] is None
 
 
+def test_a_request_in_flight_at_a_kill_belongs_to_the_kill_s_window() -> None:
+    from pipeline.devtools.bench.failover import in_failover
+
+    spans = [(1_000.0, 1_010.0)]  # a kill at 1,000 s, recovered (with the margin) at 1,010 s
+
+    def at(created_s: float, priority: str = "realtime") -> Any:
+        r = _sent("r", priority=priority)
+        r.created_ms = int(created_s * 1000)
+        return r
+
+    assert in_failover(at(999.9), 200, spans), "sent 100 ms before the kill, due 100 ms after it"
+    assert in_failover(at(999.8), 200, spans), "due at the very kill"
+    assert not in_failover(at(999.7), 200, spans), "due 100 ms before the kill: the steady state's"
+    assert in_failover(at(1_005.0), 200, spans) and not in_failover(at(1_010.0), 200, spans)
+    assert in_failover(at(996.0, "batch"), 5_000, spans), "a batch request's deadline is 5 s"
+    assert not in_failover(at(999.9, "offline"), None, spans), "no deadline: where it was sent"
+    assert in_failover(at(1_000.0, "offline"), None, spans)
+
+
 def test_lag_sampler_sums_and_peaks_by_topic() -> None:
     from pipeline.devtools.bench.surge import LagSampler
 

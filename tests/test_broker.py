@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,28 @@ def test_cli_broker_restart_keeps_topic_history_and_its_address(kafka: EmbeddedK
         assert json.loads((data / "ports.json").read_text())["port"] == state.port
     finally:
         _cli("stop", "--data-dir", str(data))
+
+
+def test_warming_a_broker_reads_back_every_record_and_deletes_its_topic(kafka: EmbeddedKafka) -> None:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from pipeline.devtools.broker_warmup import IN_FLIGHT, warm_broker
+
+    async def topics() -> set[str]:
+        admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap)
+        await admin.start()
+        try:
+            return set(await admin.list_topics())
+        finally:
+            await admin.close()
+
+    warm = asyncio.run(warm_broker(kafka.bootstrap, 1.0))
+    assert warm.sent >= IN_FLIGHT and warm.sent % IN_FLIGHT == 0
+    assert warm.read == warm.sent
+    assert warm.topic.startswith("surge-broker-warmup-")
+    assert f"{warm.sent} records sent and {warm.read} read back" in warm.line()
+    for _ in range(50):  # the deletion reaches the broker's metadata shortly after the controller's
+        if warm.topic not in asyncio.run(topics()):
+            break
+        time.sleep(0.2)
+    assert warm.topic not in asyncio.run(topics())

@@ -12,6 +12,7 @@ importable from here as well.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import sys
 import time
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.devtools.broker import EmbeddedKafka
+from pipeline.devtools.broker_warmup import BrokerWarmUp, warm_broker
 from pipeline.devtools.deployment import Deployment, deployment_env
 from pipeline.devtools.procs import ManagedProcess
 from pipeline.exceptions import SurgeError
@@ -30,6 +32,9 @@ from pipeline.stats import latency_summary as latency_summary
 from pipeline.stats import percentile as percentile
 
 BENCH_DIR = Path(".surge-bench")
+#: seconds of produce and fetch a broker a benchmark starts gets before the run (its JVM compiles
+#: its request paths meanwhile): 5 s left the first second of load as fast as the rest
+BROKER_WARM_S = 5.0
 
 #: settings every arm shares unless a scenario overrides them: nothing but the measured feature varies
 BASE_ENV: dict[str, str] = {
@@ -141,6 +146,14 @@ def metric_delta(
 BenchDeployment = Deployment
 
 
+def start_warm(kafka: EmbeddedKafka, seconds: float = BROKER_WARM_S) -> BrokerWarmUp:
+    """Warm a broker a benchmark has just started (:mod:`pipeline.devtools.broker_warmup`), so the
+    run measures the pipeline, not the JVM's first seconds; says what it did on stderr."""
+    warm = asyncio.run(warm_broker(kafka.bootstrap, seconds))
+    print(warm.line(), file=sys.stderr, flush=True)
+    return warm
+
+
 class BenchEnv:
     """The broker and everything started for one benchmark run; a context manager that cleans up."""
 
@@ -160,6 +173,8 @@ class BenchEnv:
         self.own_broker = broker is None
         self.kafka = broker or EmbeddedKafka(self.bench_dir / "kafka", partitions=4, heap_mb=heap_mb)
         self.deployments: list[BenchDeployment] = []
+        #: what warming the broker this run started did (None: a broker given to it, left as it is)
+        self.broker_warm_up: BrokerWarmUp | None = None
         self.extra_stops: list[Callable[[], None]] = []
 
     def __enter__(self) -> BenchEnv:
@@ -168,6 +183,7 @@ class BenchEnv:
             return self
         try:
             self.kafka.start()
+            self.broker_warm_up = start_warm(self.kafka)
         except BaseException:
             self.kafka.stop()
             raise

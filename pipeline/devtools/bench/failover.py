@@ -44,7 +44,15 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.devtools.bench.banking77 import resolve_csv, unseen_questions
-from pipeline.devtools.bench.common import BENCH_DIR, BenchDeployment, BenchEnv, BenchError, BenchRun, target
+from pipeline.devtools.bench.common import (
+    BENCH_DIR,
+    BenchDeployment,
+    BenchEnv,
+    BenchError,
+    BenchRun,
+    start_warm,
+    target,
+)
 from pipeline.devtools.bench.report import report
 from pipeline.devtools.bench.surge import (
     CLASS_MIX,
@@ -69,6 +77,7 @@ from pipeline.devtools.bench.surge import (
     wait_answered,
 )
 from pipeline.devtools.broker import EmbeddedKafka, free_port
+from pipeline.devtools.broker_warmup import BrokerWarmUp
 from pipeline.devtools.procs import WorkerProcess
 from pipeline.exceptions import SurgeError
 from pipeline.settings import PRIORITIES
@@ -431,8 +440,14 @@ def strip(reply: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _in(t: float, spans: Sequence[tuple[float, float]]) -> bool:
-    return any(a <= t < b for a, b in spans)
+def in_failover(r: Sent, deadline_ms: int | None, spans: Sequence[tuple[float, float]]) -> bool:
+    """Whether a failover window covers request ``r``: sent before a window ends, with its deadline
+    (its class deadline after it was sent; for a class without one, the send itself) at or after the
+    window's start. A real-time request sent 50 ms before a SIGKILL, to the worker killed, is that
+    kill's miss, not one of the steady state's."""
+    sent = r.created_ms / 1000
+    due = sent + (deadline_ms or 0) / 1000
+    return any(sent < b and due >= a for a, b in spans)
 
 
 def realtime_misses(
@@ -579,13 +594,14 @@ def analyse(
                         "tier": r.tier,
                         "priority": r.priority,
                         "at_s": round(r.created_ms / 1000 - t0, 2),
-                        "in_window": _in(r.created_ms / 1000, spans),
+                        "in_window": in_failover(r, deadlines[r.priority], spans),
                         "message": error.get("message"),
                     }
                 )
-    realtime_out = [r for r in acked if r.priority == "realtime" and not _in(r.created_ms / 1000, spans)]
-    inside = [r for r in sender.order if _in(r.created_ms / 1000, spans)]
-    outside = [r for r in sender.order if not _in(r.created_ms / 1000, spans)]
+    inside = [r for r in sender.order if in_failover(r, deadlines[r.priority], spans)]
+    covered = {r.rid for r in inside}
+    outside = [r for r in sender.order if r.rid not in covered]
+    realtime_out = [r for r in acked if r.priority == "realtime" and r.rid not in covered]
     classes = {
         where: {
             p: class_summary([r for r in recs if r.priority == p], by_rid, deadlines[p]) for p in PRIORITIES
@@ -676,14 +692,19 @@ def run(job: BenchRun, banking77_csv: str | Path | None = None) -> int:
     )
     own.start()
     try:
-        return _run(job, own, csv_path, questions)
+        warm = start_warm(own)
+        return _run(job, own, csv_path, questions, warm)
     finally:
         own.stop()
         shutil.rmtree(own.data_dir / "logs", ignore_errors=True)
 
 
 def _run(
-    job: BenchRun, broker: EmbeddedKafka, csv_path: Path, questions: tuple[list[tuple[str, str]], set[str]]
+    job: BenchRun,
+    broker: EmbeddedKafka,
+    csv_path: Path,
+    questions: tuple[list[tuple[str, str]], set[str]],
+    warm: BrokerWarmUp | None = None,
 ) -> int:
     plan = QUICK if job.quick else FULL
     with BenchEnv(job.scenario, broker=broker) as env:
@@ -731,6 +752,7 @@ def _run(
         },
         "workers": 2,
         "worker_startup_s": round(startup_s, 1),
+        "broker_warm_up": None if warm is None else warm.__dict__,
         "baseline_assigned": run_["baseline_assigned"],
         "broker_restart_failed": run_["broker_restart_failed"],
         "trace_of_lost": run_["trace_of_lost"],
@@ -747,8 +769,9 @@ def _run(
             "the requests sent from 5 s before each kill until the next event. served again: every "
             "partition with traffic got a reply produced (record timestamp) after the event (after the "
             "broker answered again, for the broker restart). misses: deadline_exceeded + ok after the class "
-            "deadline + lost, by the request's created_at (its scheduled send time) inside or outside the "
-            "windows. level 0: from recovery until every worker reports level 0 for good (before the next "
+            "deadline + lost, inside a window when the request was sent (its scheduled send time) before "
+            "the window's end and its class deadline fell at or after the window's start (a request in "
+            "flight at a kill is the kill's), outside otherwise. level 0: from recovery until every worker reports level 0 for good (before the next "
             "event)."
         ),
     }
