@@ -22,6 +22,7 @@ import contextlib
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, cast
@@ -56,6 +57,7 @@ from pipeline.routing import (
     RoutingRules,
     Templated,
     embed_batch_limit,
+    embed_slices,
     expired_before_embedding,
     route,
     take_arrivals,
@@ -442,7 +444,10 @@ class Inference:
         "Degradation")."""
         s = self.rt.settings
         limit = embed_batch_limit(s.embed_max_batch_size, s.embed_budget_ms, self.embed_ms_per_item)
-        now = now_ms()
+        return take_arrivals(self._arrivals, limit, self._expired_now(now_ms()))
+
+    def _expired_now(self, now: float) -> Callable[[Pending], bool]:
+        """Whether an arrival's deadline has passed at ``now`` and its class rejects late work."""
         policy = self.scheduler.config.deadline_policy
 
         def expired(pending: Pending) -> bool:
@@ -450,7 +455,7 @@ class Inference:
             rejects = policy[work.priority] is DeadlinePolicy.REJECT
             return expired_before_embedding(work.deadline_at_ms, rejects, now)
 
-        return take_arrivals(self._arrivals, limit, expired)
+        return expired
 
     def _missed(
         self, pending: Pending, deadline_at_ms: float | None, priority: str, now: float
@@ -476,33 +481,52 @@ class Inference:
             items, expired = self._take_arrivals()
             if any(self._arrivals.values()):
                 self._arrived.set()
-            if expired:
-                now = now_ms()
-                late: list[Outcome] = []
-                for pending in expired:
-                    late += self._missed(
-                        pending, pending.work.deadline_at_ms, str(pending.work.priority), now
-                    )
-                self._room.set()
-                await self.replies.send(late, batch_size=0)
-            if not items:
-                continue
-            # admission counts them until they are queued (or answered)
-            self._embedding = dict(Counter(str(pending.work.priority) for pending in items))
-            try:
-                await self._embed(items)
-                done, templated = await self._route_all(items)
-            finally:
-                self._embedding = {}
-            if templated:
-                done += await self._templates(templated)
+            await self._embed_and_route(items, expired)
+
+    async def _embed_and_route(self, items: list[Pending], expired: list[Pending]) -> None:
+        """One batch of the embedding stage: the expired ones answered late, the others embedded,
+        then answered from cache, merged, or queued."""
+        if expired:
+            now = now_ms()
+            late: list[Outcome] = []
+            for pending in expired:
+                late += self._missed(pending, pending.work.deadline_at_ms, str(pending.work.priority), now)
             self._room.set()
-            if done:
-                await self.replies.send(done, batch_size=0)
+            await self.replies.send(late, batch_size=0)
+        if not items:
+            return
+        # admission counts them until they are queued (or answered); a real-time batch served in the
+        # middle of another adds its own
+        counts = Counter(str(pending.work.priority) for pending in items)
+        self._embedding = dict(Counter(self._embedding) + counts)
+        try:
+            await self._embed(items)
+            done, templated = await self._route_all(items)
+        finally:
+            left = Counter(self._embedding)
+            left.subtract(counts)
+            self._embedding = {p: n for p, n in left.items() if n > 0}
+        if templated:
+            done += await self._templates(templated)
+        self._room.set()
+        if done:
+            await self.replies.send(done, batch_size=0)
+
+    async def _realtime_first(self) -> None:
+        """Between the calls of a lower-class batch: embed and route the real-time arrivals waiting,
+        as batches of their own (they never yield, so this does not nest further)."""
+        while self._arrivals[Priority.REALTIME]:
+            realtime = {p: self._arrivals[p] if p == Priority.REALTIME else deque() for p in PRIORITIES}
+            s = self.rt.settings
+            limit = embed_batch_limit(s.embed_max_batch_size, s.embed_budget_ms, self.embed_ms_per_item)
+            items, expired = take_arrivals(realtime, limit, self._expired_now(now_ms()))
+            await self._embed_and_route(items, expired)
 
     async def _embed(self, items: list[Pending]) -> None:
-        """Give each item that needs one its vector (one embedding call, off the event loop); an item
-        the model can take the vector of carries it into its model input too."""
+        """Give each item that needs one its vector (off the event loop); an item the model can take
+        the vector of carries it into its model input too. A batch without real-time items is
+        embedded one forward pass per call, and real-time arrivals are served between the calls
+        (:func:`pipeline.routing.embed_slices`)."""
         s = self.rt.settings
         embedder = self.embedder
         if embedder is None:
@@ -522,19 +546,27 @@ class Inference:
             return
         self.rt.metrics.embed_batch_size.observe(len(want))
         self.embed_calls += 1
-        t0 = time.perf_counter()
-        try:
-            vecs = await asyncio.get_running_loop().run_in_executor(
-                self.embed_pool, embedder.embed, [items[i].inp.text for i in want]
-            )
-        except Exception:
-            log.exception("embedding %d questions failed; they go on without vectors", len(want))
-            return
-        self.embed_ms_per_item = _ewma(self.embed_ms_per_item, (time.perf_counter() - t0) * 1000 / len(want))
-        for row, i in enumerate(want):
-            items[i].vector = vecs[row]
-            if self.use_vectors:
-                items[i].inp = replace(items[i].inp, vector=vecs[row])
+        yields = s.embed_yield_to_realtime and all(items[i].work.priority != Priority.REALTIME for i in want)
+        slices = embed_slices([len(items[i].inp.text) for i in want], embedder.batch_size, yields)
+        loop = asyncio.get_running_loop()
+        for n, part in enumerate(slices):
+            if n:
+                await self._realtime_first()
+            rows = [want[k] for k in part]
+            t0 = time.perf_counter()
+            try:
+                vecs = await loop.run_in_executor(
+                    self.embed_pool, embedder.embed, [items[i].inp.text for i in rows]
+                )
+            except Exception:
+                log.exception("embedding %d questions failed; they go on without vectors", len(rows))
+                continue
+            per_item_ms = (time.perf_counter() - t0) * 1000 / len(rows)
+            self.embed_ms_per_item = _ewma(self.embed_ms_per_item, per_item_ms)
+            for row, i in enumerate(rows):
+                items[i].vector = vecs[row]
+                if self.use_vectors:
+                    items[i].inp = replace(items[i].inp, vector=vecs[row])
 
     async def _route_all(self, items: list[Pending]) -> tuple[list[Outcome], list[Pending]]:
         """Look the embedded items up and route each one: the replies due now, and those sent to the

@@ -20,7 +20,7 @@ becomes one) and returns the decision; the agent turns it into replies and metri
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -195,6 +195,21 @@ def take_arrivals(
         if taken and priority == Priority.REALTIME:
             break
     return taken, late
+
+
+def embed_slices(lengths: Sequence[int], chunk: int, yields: bool) -> list[list[int]]:
+    """How one embedding batch is cut into calls: the indices of ``lengths`` (each text's length),
+    shortest first, in slices of ``chunk`` (the embedder's forward pass) when the batch ``yields`` to
+    real-time arrivals between its calls, else in one call. The embedder sorts each call by length
+    itself; sorting the whole batch first keeps the slices as little padded as one call would be.
+    A real-time request admitted while a 100 ms call of batch work runs then waits for one forward
+    pass, not the whole call (docs/architecture.md, "Intake first")."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    if not yields or len(order) <= chunk:
+        return [order] if order else []
+    return [order[i : i + chunk] for i in range(0, len(order), chunk)]
 
 
 def expired_before_embedding(deadline_at_ms: float | None, rejects_late: bool, now_ms: float) -> bool:

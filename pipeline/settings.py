@@ -292,6 +292,12 @@ class Settings(BaseSettings):
         description="an embedding call is sized to take about this long (measured per item), so a "
         "real-time or interactive arrival never waits long behind one; at most embed_max_batch_size",
     )
+    embed_yield_to_realtime: bool = Field(
+        True,
+        description="an embedding batch without real-time items is embedded one forward pass per call, "
+        "and real-time arrivals are embedded between the calls (off: one call per batch, so a real-time "
+        "request admitted meanwhile waits for all of it, up to embed_budget_ms)",
+    )
     intake_first_enabled: bool = Field(
         True,
         description="in a worker that runs the intake too, batch and offline work is not read while "

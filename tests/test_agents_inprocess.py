@@ -847,3 +847,69 @@ async def test_a_rebalance_gives_back_queued_work_and_what_it_finished_behind_it
         assert await w.count(w.topics.replies) == 2, "each request answered once"
         assert await w.count(w.topics.deadletter) == 1, "the finished record was not worked on again"
         assert acker.done_again == 1
+
+
+class _RecordingEmbedder:
+    """The worker's real embedder, recording the texts of each call and taking ``call_s`` longer per
+    call (a forward pass on a busy machine); ``started`` is set when a call of batch work begins."""
+
+    def __init__(self, real: Any, call_s: float) -> None:
+        self.real = real
+        self.call_s = call_s
+        self.batch_size = real.batch_size
+        self.multilingual = real.multilingual
+        self.dim = real.dim
+        self.calls: list[list[str]] = []
+        self.started = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+
+    def embed(self, texts: list[str]) -> Any:
+        self.calls.append(list(texts))
+        if any(t.startswith("bulk") for t in texts):
+            self.loop.call_soon_threadsafe(self.started.set)
+        time.sleep(self.call_s)
+        return self.real.embed(texts)
+
+
+@pytest.mark.parametrize("yields", [True, False])
+async def test_a_real_time_request_is_embedded_between_the_forward_passes_of_batch_work(
+    kafka: EmbeddedKafka, tmp_path: Path, yields: bool
+) -> None:
+    """A real-time request admitted while a long embedding call of batch work runs waits for one
+    forward pass of it, not the whole call (``embed_yield_to_realtime``); off, it waits for all of it
+    (docs/architecture.md, "Intake first")."""
+    env = {
+        "dedup_enabled": "true",
+        "embed_budget_ms": "100000",  # one call takes every batch item waiting
+        "embed_yield_to_realtime": str(yields).lower(),
+    }
+    async with inprocess(kafka, tmp_path, **env) as w:
+        inf = w.rt.inference
+        assert inf.embedder is not None
+        rec = _RecordingEmbedder(inf.embedder, call_s=0.25)
+        inf.embedder = rec
+        bulk = []
+        for i in range(24):
+            req = request(f"bb{i}", f"bulkuser{i}", f"bulk question {i} about my card {i}", priority="batch")
+            bulk.append(await w.client.submit(req))
+        await w.client.producer.flush()
+        await asyncio.wait_for(rec.started.wait(), REPLY_TIMEOUT_S)
+        rt_text = "urgent: is this payment fraud"
+        (urgent,) = await w.replies(
+            await w.client.submit(request("rt", "urgent", rt_text, priority="realtime"))
+        )
+        answers = await w.replies(*bulk)
+        assert urgent.status == "ok" and all(a.status == "ok" for a in answers)
+        batch_calls = [
+            i for i, texts in enumerate(rec.calls) if any(t.startswith("bulk question") for t in texts)
+        ]
+        rt_call = next(i for i, texts in enumerate(rec.calls) if rt_text in texts)
+        sizes = [len(rec.calls[i]) for i in batch_calls]
+        if yields:
+            assert max(sizes) <= rec.batch_size, f"one forward pass per call: {sizes}"
+            assert rt_call < batch_calls[-1], (
+                f"the real-time request waited for all of the batch work: calls {rec.calls}"
+            )
+        else:
+            assert max(sizes) > rec.batch_size, f"one call took the batch: {sizes}"
+            assert rt_call > batch_calls[0], "the real-time request came after the long call began"

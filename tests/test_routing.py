@@ -23,6 +23,7 @@ from pipeline.routing import (
     RoutingRules,
     Templated,
     embed_batch_limit,
+    embed_slices,
     expired_before_embedding,
     route,
     take_arrivals,
@@ -304,3 +305,20 @@ def test_the_arrivals_take_keeps_to_the_limit_within_real_time() -> None:
 )
 def test_the_embedding_batch_is_sized_by_measured_time(ms_per_item: float, expected: int) -> None:
     assert embed_batch_limit(64, 100.0, ms_per_item) == expected
+
+
+def test_a_batch_that_yields_is_cut_into_forward_passes_shortest_first() -> None:
+    lengths = [30, 5, 12, 40, 7, 22, 9, 18, 3, 50]
+    slices = embed_slices(lengths, 4, yields=True)
+    assert slices == [[8, 1, 4, 6], [2, 7, 5, 0], [3, 9]]
+    assert sorted(i for part in slices for i in part) == list(range(len(lengths))), "each item once"
+    assert [len(part) for part in slices] == [4, 4, 2]
+
+
+def test_a_batch_that_does_not_yield_or_fits_one_pass_is_one_call() -> None:
+    lengths = [30, 5, 12, 40, 7]
+    assert embed_slices(lengths, 4, yields=False) == [[1, 4, 2, 0, 3]]
+    assert embed_slices(lengths[:4], 4, yields=True) == [[1, 2, 0, 3]]
+    assert embed_slices([], 4, yields=True) == []
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        embed_slices(lengths, 0, yields=True)
