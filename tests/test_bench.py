@@ -557,5 +557,6 @@ def test_failover_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
         for c in r["classes"][where].values():
             assert c["misses"] == c["deadline_exceeded"] + c["late_ok"] + c["missing"]
     offered = sum(c["offered"] for w in r["classes"].values() for c in w.values())
-    assert offered == r["sent"]
+    assert offered == r["sent"], "each request in one of the windows, outside them, or the warm-up"
+    assert sum(c["offered"] for c in r["classes"]["warm_up"].values()) > 0, "a warm-up load came first"
     assert len(r["windows"]) == 3 and all(b > a for a, b in r["windows"])

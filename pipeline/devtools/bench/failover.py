@@ -83,12 +83,18 @@ from pipeline.exceptions import SurgeError
 from pipeline.settings import PRIORITIES
 
 LOAD = 0.5  # of L
+#: the sender's step name of the warm-up load's requests
+PREWARM_STEP = "warm-up"
 
 
 @dataclass(frozen=True)
 class Plan:
     kills: int
     rolling: tuple[int, ...]  # the workers the SIGTERM rolling restart goes through, in order
+    #: load before the measured run, answered in full before it starts (reported apart): a cluster
+    #: just started, broker and workers alike, answers its first seconds of load slower than later
+    prewarm_s: float
+    prewarm_pause_s: float  # quiet between the warm-up load and the measured run
     warm_s: float  # steady load before the first event
     settle_s: float  # at least this long between a recovery and the next event
     level0_wait_s: float  # at most this long waiting for level 0 before the next event
@@ -105,6 +111,8 @@ class Plan:
 FULL = Plan(
     kills=3,
     rolling=(0, 1),
+    prewarm_s=10,
+    prewarm_pause_s=3,
     warm_s=20,
     settle_s=10,
     level0_wait_s=35,
@@ -120,6 +128,8 @@ FULL = Plan(
 QUICK = Plan(
     kills=1,
     rolling=(0,),
+    prewarm_s=2,
+    prewarm_pause_s=1,
     warm_s=6,
     settle_s=2,
     level0_wait_s=8,
@@ -373,6 +383,21 @@ async def _events(
     return sorted(events, key=lambda e: e.t), baseline
 
 
+async def _prewarm(sender: Sender, reader: ReplyReader, plan: Plan, rate: float) -> None:
+    """The warm-up load (``plan.prewarm_s`` at the run's rate), answered before the run starts."""
+    if plan.prewarm_s <= 0:
+        return
+    print(f"failover: warm-up load for {plan.prewarm_s:.0f} s (reported apart)", file=sys.stderr)
+    done = asyncio.Event()
+    task = asyncio.create_task(sender.run_until(rate, done, PREWARM_STEP))
+    await asyncio.sleep(plan.prewarm_s)
+    done.set()
+    await task
+    await sender.flush()
+    await wait_answered(sender, reader, 60.0, settle_s=1.0, idle_s=10.0)
+    await asyncio.sleep(plan.prewarm_pause_s)
+
+
 async def _drive(env: BenchEnv, pool: Pool, plan: Plan, offered: Offered) -> dict[str, Any]:
     scraper = Scraper(pool.targets, with_status=True)
     watch = await Watch.start(pool.d, offered.stream, offered.pop, scraper)
@@ -392,6 +417,7 @@ async def _drive(env: BenchEnv, pool: Pool, plan: Plan, offered: Offered) -> dic
         )
 
     try:
+        await _prewarm(sender, reader, plan, offered.rate)
         send_task = asyncio.create_task(sender.run_until(offered.rate, stop, "run", tick))
         events, baseline = await _events(env, pool, plan, sender, reader, scraper, stop)
         t0, t1 = await send_task
@@ -598,15 +624,17 @@ def analyse(
                         "message": error.get("message"),
                     }
                 )
-    inside = [r for r in sender.order if in_failover(r, deadlines[r.priority], spans)]
+    warm_up = [r for r in sender.order if r.step == PREWARM_STEP]
+    measured = [r for r in sender.order if r.step != PREWARM_STEP]
+    inside = [r for r in measured if in_failover(r, deadlines[r.priority], spans)]
     covered = {r.rid for r in inside}
-    outside = [r for r in sender.order if r.rid not in covered]
-    realtime_out = [r for r in acked if r.priority == "realtime" and r.rid not in covered]
+    outside = [r for r in measured if r.rid not in covered]
+    realtime_out = [r for r in outside if r.priority == "realtime" and r.acked is not False]
     classes = {
         where: {
             p: class_summary([r for r in recs if r.priority == p], by_rid, deadlines[p]) for p in PRIORITIES
         }
-        for where, recs in (("inside_windows", inside), ("outside_windows", outside))
+        for where, recs in (("inside_windows", inside), ("outside_windows", outside), ("warm_up", warm_up))
     }
 
     def kind_sum(kind: str, key: str) -> int:
@@ -771,8 +799,10 @@ def _run(
             "broker answered again, for the broker restart). misses: deadline_exceeded + ok after the class "
             "deadline + lost, inside a window when the request was sent (its scheduled send time) before "
             "the window's end and its class deadline fell at or after the window's start (a request in "
-            "flight at a kill is the kill's), outside otherwise. level 0: from recovery until every worker reports level 0 for good (before the next "
-            "event)."
+            "flight at a kill is the kill's), outside otherwise. warm_up: the requests of the warm-up load "
+            "before the run (prewarm_s, answered in full before it starts), in neither; lost and repeats "
+            "count them too. level 0: from recovery until every worker reports level 0 for good (before "
+            "the next event)."
         ),
     }
     events: list[Event] = run_["events"]
