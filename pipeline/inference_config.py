@@ -24,6 +24,7 @@ def scheduler_config(settings: Settings, model_max_batch_size: int) -> Scheduler
         max_batch_size=min(settings.max_batch_size, model_max_batch_size),
         base_batch_size=min(settings.base_batch_size, settings.max_batch_size, model_max_batch_size),
         max_wait_ms=settings.max_wait_ms,
+        realtime_max_wait_ms=settings.max_wait_realtime_ms,
     )
 
 

@@ -100,6 +100,9 @@ class SchedulerConfig:
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     base_batch_size: int = DEFAULT_BASE_BATCH_SIZE
     max_wait_ms: float = DEFAULT_MAX_WAIT_MS
+    #: the window of a batch that would take a real-time item, counted from that item's arrival in the
+    #: queue (None: ``max_wait_ms``); 0 runs a real-time item as soon as the model is free
+    realtime_max_wait_ms: float | None = None
     safety_margin_ms: float = 5.0
 
     def __post_init__(self) -> None:
@@ -133,6 +136,8 @@ class SchedulerConfig:
             )
         if self.max_wait_ms < 0:
             raise SettingsError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        if self.realtime_max_wait_ms is not None and self.realtime_max_wait_ms < 0:
+            raise SettingsError(f"realtime_max_wait_ms must be >= 0, got {self.realtime_max_wait_ms}")
         if self.safety_margin_ms < 0:
             raise SettingsError(f"safety_margin_ms must be >= 0, got {self.safety_margin_ms}")
 
@@ -526,15 +531,21 @@ class Scheduler:
     def flush_at_ms(self) -> float | None:
         """When the current window must flush (epoch ms), None when nothing waits.
 
-        The earlier of: the oldest waiting item's ``enqueued_at_ms + max_wait_ms``; and the earliest
+        The earliest of: the oldest waiting item's ``enqueued_at_ms + max_wait_ms``; the earliest
         deadline among the items the next batch would take, less the estimated time of a batch of
-        that size and ``safety_margin_ms``.
+        that size and ``safety_margin_ms``; and, when that batch takes a real-time item, the oldest
+        one's ``enqueued_at_ms + realtime_max_wait_ms``.
         """
         oldest = self._by_enqueue.min()
         if oldest is None:
             return None
         at = oldest[0] + self.config.max_wait_ms
         nxt = self.policy.peek(self.batch_limit())
+        realtime_wait = self.config.realtime_max_wait_ms
+        if realtime_wait is not None:
+            realtime = [e.item.enqueued_at_ms for e in nxt if e.item.priority is Priority.REALTIME]
+            if realtime:
+                at = min(at, min(realtime) + realtime_wait)
         deadlines = [e.item.deadline_at_ms for e in nxt if e.item.deadline_at_ms is not None]
         if deadlines:
             start_by = min(deadlines) - self.estimator.estimate_ms(len(nxt)) - self.config.safety_margin_ms

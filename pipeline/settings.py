@@ -270,6 +270,13 @@ class Settings(BaseSettings):
     max_wait_ms: float = Field(
         scheduler.DEFAULT_MAX_WAIT_MS, ge=0, description="longest a batch window stays open, ms"
     )
+    max_wait_realtime_ms: float = Field(
+        0.0,
+        ge=0,
+        description="longest a batch window that would take a real-time item stays open, counted from "
+        "that item's arrival in the queue, ms (0: it runs as soon as the model is free; at 10, the "
+        "general window, a lone real-time question waited 10 ms of its 200 for company)",
+    )
     embed_max_batch_size: int = Field(
         64, ge=1, le=1024, description="most questions embedded in one call (calls grow with the backlog)"
     )

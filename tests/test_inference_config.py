@@ -33,6 +33,7 @@ def test_the_scheduler_config_follows_the_settings() -> None:
         max_batch_size=16,
         base_batch_size=4,
         max_wait_ms=7.5,
+        max_wait_realtime_ms=2.5,
     )
     cfg = scheduler_config(settings, model_max_batch_size=1024)
     assert cfg.deadline_ms == {
@@ -45,6 +46,8 @@ def test_the_scheduler_config_follows_the_settings() -> None:
     assert cfg.deadline_policy[Priority.BATCH] is DeadlinePolicy.DELAY
     assert cfg.deadline_policy[Priority.REALTIME] is DeadlinePolicy.REJECT
     assert (cfg.max_batch_size, cfg.base_batch_size, cfg.max_wait_ms) == (16, 4, 7.5)
+    assert cfg.realtime_max_wait_ms == 2.5
+    assert scheduler_config(Settings.load(), 32).realtime_max_wait_ms == 0.0, "by default: at once"
 
 
 def test_a_batch_is_never_larger_than_the_model_takes() -> None:

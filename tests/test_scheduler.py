@@ -296,6 +296,22 @@ def test_flush_ignores_deadlines_of_items_the_next_batch_will_not_take() -> None
     assert sched.flush_at_ms() == T0 + 50
 
 
+def test_a_batch_that_takes_a_real_time_item_has_its_own_window() -> None:
+    sched = make(max_wait_ms=10, realtime_max_wait_ms=0)
+    sched.offer(item("batch", priority=Priority.BATCH, at=T0, deadline_in=None))
+    assert sched.flush_at_ms() == T0 + 10, "no real-time item: the general window"
+    sched.offer(item("rt", priority=Priority.REALTIME, at=T0 + 3, deadline_in=None))
+    assert sched.flush_at_ms() == T0 + 3, "the real-time item runs as soon as the model is free"
+    assert sched.ready(T0 + 3) and not sched.ready(T0 + 2.9)
+    assert ids(sched.pop_batch(T0 + 3).items)[0] == "rt"
+    later = make(max_wait_ms=10, realtime_max_wait_ms=4)
+    later.offer(item("rt", priority=Priority.REALTIME, at=T0, deadline_in=None))
+    assert later.flush_at_ms() == T0 + 4
+    assert make(max_wait_ms=10).config.realtime_max_wait_ms is None, "unset: the general window"
+    with pytest.raises(SettingsError, match="realtime_max_wait_ms must be >= 0"):
+        make(realtime_max_wait_ms=-1)
+
+
 # -- deadlines --------------------------------------------------------------------------------------
 
 
