@@ -446,3 +446,29 @@ def test_what_is_not_remembered() -> None:
         "an answer made under other parameters (a leader degraded after its followers joined)"
     )
     assert leader.remembered_as("Hi, how can I reset my PIN?", 0.95, SCOPE_A) is not None
+
+
+def test_a_scope_without_chinese_questions_skips_the_lexical_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only Chinese questions are found by their characters; where a scope has none cached, a lookup
+    does not read the question's language at all (a seventh of an English lookup's time)."""
+    import pipeline.cache as cache_module
+    from pipeline.pairs import ThresholdDecision
+
+    cache, _, clock = make()
+    cache.put("a", answer("a", clock=clock, vector=E1, text="how do I reset my card pin"))
+    read: list[str] = []
+    real = cache_module.lexical_keys
+
+    def counting(text: str) -> frozenset[str]:
+        read.append(text)
+        return real(text)
+
+    monkeypatch.setattr(cache_module, "lexical_keys", counting)
+    near = unit(1.0, 0.05, 0.0, 0.0)
+    hit = cache.lookup("b", SCOPE_A, near, "how do I reset my card pin please", ThresholdDecision(0.9))
+    assert hit is not None and hit[0].request_id == "req-a"
+    assert read == [], "no Chinese question in the scope: its characters are never read"
+    cache.put("zh", answer("zh", clock=clock, text="我的卡丢了怎么办"))
+    read.clear()
+    hit = cache.lookup("c", SCOPE_A, None, "我的卡丢了怎么办呢", ThresholdDecision(0.9))
+    assert read == ["我的卡丢了怎么办呢"], "with one cached, they are"
