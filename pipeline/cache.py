@@ -109,6 +109,8 @@ class AnswerCache:
         # Chinese questions: scope -> bigram -> keys, and key -> (scope, bigrams)
         self._lexical: dict[str, dict[str, set[str]]] = {}
         self._lexical_keys: dict[str, tuple[str, frozenset[str]]] = {}
+        # indexed key -> its question, what the merge decision reads (the store is read for the winner)
+        self._question: dict[str, str] = {}
         #: one lock for every method: lookups run in a worker thread, writes on the event loop
         self._lock = threading.RLock()
         #: expired keys a lookup met (it never writes the store); deleted by drop_expired()
@@ -195,24 +197,36 @@ class AnswerCache:
             cands.update(self.index.candidates(scope, vector, decision.cosine_floor, SEARCH_CANDIDATES))
         for key in self._lexical_candidates(scope, text):
             cands.setdefault(key, None)
-        best: tuple[float, str, CachedAnswer, float] | None = None
+        merging: list[tuple[float, str, float]] = []
         stale: list[str] = []
         for key, cos in cands.items():
+            question = self._question.get(key)
+            if question is None:  # not indexed by this cache (never the case for a candidate)
+                entry = self._get(key, write=False)
+                if entry is None:
+                    stale.append(key)
+                    continue
+                question = entry.text
+            verdict = decision.decide(question, text, cos)
+            if verdict.merge:
+                merging.append((verdict.score, key, verdict.similarity))
+        # the store is read for the best-ranked candidate only (the next when it expired or went):
+        # reading each one (a RocksDB read and a JSON record with its vector) made every lookup dearer
+        # as the cache filled and more candidates passed the cosine floor
+        merging.sort(key=lambda m: -m[0])  # stable: on a tie the more similar vector, as before
+        found: tuple[CachedAnswer, float] | None = None
+        for _, key, similarity in merging:
             entry = self._get(key, write=False)
             if entry is None:
                 stale.append(key)
                 continue
-            verdict = decision.decide(entry.text, text, cos)
-            if verdict.merge and (best is None or verdict.score > best[0]):
-                best = (verdict.score, key, entry, verdict.similarity)
+            if self.index is not None:
+                self.index.touch(scope, key)
+            found = (entry, similarity)
+            break
         for key in stale:
             self._forget(scope, key)
-        if best is None:
-            return None
-        _, key, entry, similarity = best
-        if self.index is not None:
-            self.index.touch(scope, key)
-        return entry, similarity
+        return found
 
     def _forget(self, scope: str, key: str) -> None:
         if key in self._indexed and self.index is not None:
@@ -235,6 +249,7 @@ class AnswerCache:
         return True
 
     def _unindex_lexical(self, key: str) -> None:
+        self._question.pop(key, None)
         found = self._lexical_keys.pop(key, None)
         if found is None:
             return
@@ -335,6 +350,8 @@ class AnswerCache:
         if entry.remembered:  # found by its exact key only: merges never chain
             return
         self._index_lexical(key, entry)
+        if entry.vector is not None or key in self._lexical_keys:
+            self._question[key] = entry.text
         if entry.vector is not None and key not in self._indexed:
             if self.index is None:
                 self.index = SemanticIndex(dim=len(entry.vector), max_per_scope=self._index_capacity)

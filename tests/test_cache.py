@@ -472,3 +472,45 @@ def test_a_scope_without_chinese_questions_skips_the_lexical_search(monkeypatch:
     read.clear()
     hit = cache.lookup("c", SCOPE_A, None, "我的卡丢了怎么办呢", ThresholdDecision(0.9))
     assert read == ["我的卡丢了怎么办呢"], "with one cached, they are"
+
+
+class _CountingStore(dict):  # type: ignore[type-arg]
+    """A store that counts its reads (a RocksDB read and a JSON record each, in a worker)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def get(self, key: str, default: object = None) -> object:  # type: ignore[override]
+        self.reads.append(key)
+        return super().get(key, default)
+
+
+def test_a_semantic_lookup_reads_the_store_for_the_chosen_question_only() -> None:
+    """The merge decision reads the questions kept in memory; the store is read for the best-ranked
+    candidate, and for the next when that one expired meanwhile."""
+    from pipeline.pairs import ThresholdDecision
+
+    texts = [
+        "reset my card pin please",
+        "reset my card pin now",
+        "can you reset my card pin",
+        "reset the card pin",
+    ]
+    store = _CountingStore()
+    clock = Clock()
+    cache = AnswerCache(store, ttl_s=60.0, max_entries=100, clock_ms=clock)
+    for k, (x, y) in enumerate([(1.0, 0.02), (1.0, 0.04), (1.0, 0.06), (1.0, 0.08)]):
+        cache.put(f"k{k}", answer(f"k{k}", clock=clock, vector=unit(x, y, 0.0, 0.0), text=texts[k]))
+    store.reads.clear()
+    hit = cache.lookup("new", SCOPE_A, unit(1.0, 0.0, 0.0, 0.0), "reset my card pin", ThresholdDecision(0.9))
+    assert hit is not None and hit[0].request_id == "req-k0", "the most similar question"
+    assert store.reads == ["new", "k0"], "the exact key, then the chosen candidate: no other read"
+    del store["k0"]  # another worker's deletion, not yet learned
+    store.reads.clear()
+    hit = cache.lookup("new", SCOPE_A, unit(1.0, 0.0, 0.0, 0.0), "reset my card pin", ThresholdDecision(0.9))
+    assert hit is not None and hit[0].request_id == "req-k1", "the next best when the best went"
+    assert store.reads == ["new", "k0", "k1"]
+    assert cache.index is not None and "k0" not in {
+        k for k, _ in cache.index.candidates(SCOPE_A, unit(1.0, 0.0, 0.0, 0.0), 0.5, 10)
+    }
