@@ -22,7 +22,6 @@ import contextlib
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, cast
@@ -437,17 +436,17 @@ class Inference:
             del self._inflight[key]
 
     # ---- embedding, cache, merge ------------------------------------------------------------------
-    def _take_arrivals(self) -> tuple[list[Pending], list[Pending]]:
+    def _take_arrivals(self, realtime_only: bool = False) -> tuple[list[Pending], list[Pending]]:
         """The next embedding batch (:func:`pipeline.routing.take_arrivals`), sized to about
         ``embed_budget_ms`` of measured embedding time, and the items met on the way whose deadline
         has passed: they get ``deadline_exceeded`` without being embedded (docs/architecture.md,
         "Degradation")."""
         s = self.rt.settings
         limit = embed_batch_limit(s.embed_max_batch_size, s.embed_budget_ms, self.embed_ms_per_item)
-        return take_arrivals(self._arrivals, limit, self._expired_now(now_ms()))
-
-    def _expired_now(self, now: float) -> Callable[[Pending], bool]:
-        """Whether an arrival's deadline has passed at ``now`` and its class rejects late work."""
+        arrivals = self._arrivals
+        if realtime_only:  # the other classes' arrivals stay where they are
+            arrivals = {p: arrivals[p] if p == Priority.REALTIME else deque() for p in PRIORITIES}
+        now = now_ms()
         policy = self.scheduler.config.deadline_policy
 
         def expired(pending: Pending) -> bool:
@@ -455,7 +454,7 @@ class Inference:
             rejects = policy[work.priority] is DeadlinePolicy.REJECT
             return expired_before_embedding(work.deadline_at_ms, rejects, now)
 
-        return expired
+        return take_arrivals(arrivals, limit, expired)
 
     def _missed(
         self, pending: Pending, deadline_at_ms: float | None, priority: str, now: float
@@ -516,11 +515,7 @@ class Inference:
         """Between the calls of a lower-class batch: embed and route the real-time arrivals waiting,
         as batches of their own (they never yield, so this does not nest further)."""
         while self._arrivals[Priority.REALTIME]:
-            realtime = {p: self._arrivals[p] if p == Priority.REALTIME else deque() for p in PRIORITIES}
-            s = self.rt.settings
-            limit = embed_batch_limit(s.embed_max_batch_size, s.embed_budget_ms, self.embed_ms_per_item)
-            items, expired = take_arrivals(realtime, limit, self._expired_now(now_ms()))
-            await self._embed_and_route(items, expired)
+            await self._embed_and_route(*self._take_arrivals(realtime_only=True))
 
     async def _embed(self, items: list[Pending]) -> None:
         """Give each item that needs one its vector (off the event loop); an item the model can take

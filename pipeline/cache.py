@@ -200,14 +200,7 @@ class AnswerCache:
         merging: list[tuple[float, str, float]] = []
         stale: list[str] = []
         for key, cos in cands.items():
-            question = self._question.get(key)
-            if question is None:  # not indexed by this cache (never the case for a candidate)
-                entry = self._get(key, write=False)
-                if entry is None:
-                    stale.append(key)
-                    continue
-                question = entry.text
-            verdict = decision.decide(question, text, cos)
+            verdict = decision.decide(self._question[key], text, cos)
             if verdict.merge:
                 merging.append((verdict.score, key, verdict.similarity))
         # the store is read for the best-ranked candidate only (the next when it expired or went):
@@ -249,6 +242,7 @@ class AnswerCache:
         return True
 
     def _unindex_lexical(self, key: str) -> None:
+        # every path that takes a key out of the indexes comes here: its question goes with it
         self._question.pop(key, None)
         found = self._lexical_keys.pop(key, None)
         if found is None:

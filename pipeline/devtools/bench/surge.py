@@ -1468,6 +1468,7 @@ def run(job: BenchRun, banking77_csv: str | Path | None = None) -> int:
             "passes_over_holdout": round(stream.pool_taken / len(stream.pool), 2),
         },
         "worker_startup_s": round(startup_s, 1),
+        "broker_warm_up": None if env.broker_warm_up is None else env.broker_warm_up.__dict__,
         "drain_waited_s": round(run_["drain_waited_s"], 1),
         "windows": [
             {k: (round(v - t0, 2) if k in ("start", "end") else v) for k, v in w.items()} for w in windows
