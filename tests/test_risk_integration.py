@@ -277,3 +277,69 @@ async def test_sigkill_under_load_then_recovery_from_the_changelog(deployment: A
     # the stuck-send timer runs on the risk role too (agents/acks.report_stuck), and found nothing here
     status = await asyncio.to_thread(w2.status)
     assert status["sends_reported_stuck"] == 0, status
+
+
+async def _changelog(bootstrap: str, topic: str) -> tuple[dict[int, int], dict[int, dict[bytes, bytes]]]:
+    """``(end offset, latest value by key)`` of every partition of a changelog topic."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        ends = await consumer.end_offsets(tps)
+        latest: dict[int, dict[bytes, bytes]] = {p: {} for p in range(PARTITIONS)}
+        while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
+            for tp, records in (await consumer.getmany(timeout_ms=500)).items():
+                for r in records:
+                    assert r.key is not None and r.value is not None
+                    latest[tp.partition][r.key] = r.value
+        return {tp.partition: ends[tp] for tp in tps}, latest
+    finally:
+        await consumer.stop()
+
+
+#: where Faust's RocksDB store keeps a partition's last changelog offset
+OFFSET_KEY = b"__faust\0offset__"
+
+
+def _local_store(data_dir: Path, name: str) -> dict[bytes, bytes]:
+    """Every entry of the one partition database called ``name`` under ``data_dir``."""
+    from rocksdict import AccessType, Rdict
+
+    found = sorted(data_dir.rglob(name))
+    assert len(found) == 1, (name, found)
+    db = Rdict(str(found[0]), access_type=AccessType.read_only())
+    try:
+        return dict(db.items())
+    finally:
+        db.close()
+
+
+async def test_states_reach_the_store_and_the_changelog_with_the_changelog_offset(deployment: Any) -> None:
+    """Each stage writes its changed states to its local store and sends their changelog records
+    itself (not through the table's own write path): after a clean stop, every partition's store holds
+    the latest changelog value of every key, keyed as the table keys it, and remembers the changelog's
+    last offset, where the next start's recovery begins reading."""
+    from agents.risk import table_name
+
+    d, w, c = await start(deployment)
+    events = [as_event(e) for e in simulate(SimConfig(customers=40, days=1, seed=21))][:300]
+    assert len(events) >= 200, len(events)
+    await decide_all(c, events)
+    await asyncio.sleep(1.0)  # the last batches' changelog acknowledgements
+    w.stop()
+    data_dir = Path(d.env["SURGE_DATA_DIR"])
+    for kind in ("account", "card", "device", "ip"):
+        name = f"{d.settings.app_id}-{table_name(kind)}-changelog"
+        ends, latest = await _changelog(d.bootstrap, name)
+        assert sum(ends.values()) > 0, f"nothing on {name}"
+        for p in range(PARTITIONS):
+            if not ends[p]:
+                continue
+            stored = _local_store(data_dir, f"{table_name(kind)}-{p}.db")
+            assert stored.pop(OFFSET_KEY, None) == str(ends[p] - 1).encode(), (kind, p, ends[p])
+            assert stored == latest[p], (kind, p, len(stored), len(latest[p]))
+            assert all(json.loads(k) for k in stored), "keys serialised as the table serialises them"

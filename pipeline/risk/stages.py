@@ -241,8 +241,10 @@ def decision_record(
     model_version: str | None,
     decided_ms: int,
     late: bool = False,
+    features: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A RiskDecision as a dict (see :class:`pipeline.risk.records.RiskDecision`)."""
+    """A RiskDecision as a dict (see :class:`pipeline.risk.records.RiskDecision`). ``features``: the
+    item's :func:`full_features` when the caller has them already."""
     ev = item["e"]
     return {
         "event_id": ev["event_id"],
@@ -252,7 +254,7 @@ def decision_record(
         "reasons": reasons,
         "rule_version": rule_version,
         "model_version": model_version,
-        "features": {} if late else full_features(item["f"]),
+        "features": {} if late else features if features is not None else full_features(item["f"]),
         "late": late,
         "timings": {
             "event_time_ms": ev["event_time_ms"],
