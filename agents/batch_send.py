@@ -32,14 +32,41 @@ class SentBatch:
         return int(meta.offset) + self.count - 1
 
 
+class BatchSender:
+    """Queues whole batches on one aiokafka producer, one writer per topic at a time.
+
+    aiokafka queues a batch only while its partition has no batch waiting (``send_batch`` waits for
+    the last one to go out, then looks again). Several stages write the same topics (any stage may
+    decide, three feed the ip stage's repartition topic); taking turns without a lock, a busy writer
+    found a batch of another waiting each time it looked and gave up after seconds
+    (``KafkaTimeoutError``, which stops the worker). Taking turns by topic, first come first served,
+    each writer waits for at most the batches already queued."""
+
+    def __init__(self, producer: AIOKafkaProducer) -> None:
+        self.producer = producer
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def send(
+        self, topic: str, by_partition: Mapping[int, Sequence[tuple[bytes | None, bytes]]]
+    ) -> list[SentBatch]:
+        """Queue ``(key, value)`` records per partition of ``topic`` in as few batches as the
+        producer's batch size allows (a record larger than that gets a batch of its own), in the
+        order given per partition."""
+        lock = self._locks.get(topic)
+        if lock is None:
+            lock = self._locks[topic] = asyncio.Lock()
+        async with lock:
+            return await send_batches(self.producer, topic, by_partition)
+
+
 async def send_batches(
     producer: AIOKafkaProducer,
     topic: str,
     by_partition: Mapping[int, Sequence[tuple[bytes | None, bytes]]],
 ) -> list[SentBatch]:
-    """Queue ``(key, value)`` records per partition of ``topic`` in as few batches as the producer's
-    batch size allows (a record larger than that gets a batch of its own). Waits only while the
-    producer has no room for another batch of that partition."""
+    """Queue ``(key, value)`` records per partition of ``topic`` as whole batches. Waits while the
+    producer holds a batch of that partition not yet sent; a caller that is not the topic's only
+    writer goes through :class:`BatchSender`."""
     sent: list[SentBatch] = []
     for partition, records in by_partition.items():
         builder = producer.create_batch()

@@ -28,7 +28,7 @@ import faust
 from faust.types import TP, EventT, StoreT, TableT
 
 from agents.acks import SendGroup, report_stuck, stuck_after_s
-from agents.batch_send import SentBatch, send_batches
+from agents.batch_send import BatchSender, SentBatch
 from agents.lifecycle import Lifecycle, on_partitions, serve_pages
 from agents.runtime import Runtime, event_context, unacked
 from pipeline.admin import ensure_topics
@@ -191,6 +191,7 @@ class RiskAgents:
             self.stages[kind] = Stage(kind, self.cfg, s.partitions, cache, self._loader(table, pending))
         self._counted = {k: (0, 0) for k in ENTITY_KINDS}
         self._changelogs: dict[str, str] = {}
+        self._sender: BatchSender | None = None
         #: the newest changelog offset written to each partition's store (never moved back)
         self._persisted: dict[TP, int] = {}
         self.decided = 0
@@ -396,8 +397,14 @@ class RiskAgents:
             for key, data, _ in group:
                 if pending.get(key) is data:
                     del pending[key]
+        return await self._batch_sender().send(self._changelog_topic(kind), records)
+
+    def _batch_sender(self) -> BatchSender:
+        """The sender of whole batches over Faust's producer (made once that has started)."""
         producer = kafka_producer(self.rt.app.producer)
-        return await send_batches(producer, self._changelog_topic(kind), records)
+        if self._sender is None or self._sender.producer is not producer:
+            self._sender = BatchSender(producer)
+        return self._sender
 
     def _changelog_topic(self, kind: str) -> str:
         name = self._changelogs.get(kind)
@@ -490,14 +497,18 @@ class RiskAgents:
 
     async def _emit(self, res: StageResult) -> list[Awaitable[Any]]:
         futures: list[Awaitable[Any]] = []
+        sender = self._batch_sender()
+        forward: dict[str, dict[int, list[tuple[bytes | None, bytes]]]] = {}
         for (nxt, partition), items in res.forward.items():
-            futures.append(await self._send(repartition_topic(self.s, nxt), None, pack(items), partition))
+            forward.setdefault(nxt, {})[partition] = [(None, pack(items))]
+        for nxt, records in forward.items():
+            # a closed batch goes out without the producer's linger: a hop of the chain waits less
+            futures += [b.ack for b in await sender.send(repartition_topic(self.s, nxt), records)]
         if res.decide:
             rows = [(item["e"], full_features(item["f"])) for item, _ in res.decide]
             scores = self.model.score_many(rows) if self.model is not None else [None] * len(rows)
             decided = now_ms()
             topic = self.rt.topics.risk_decisions
-            producer = kafka_producer(self.rt.app.producer)
             partitions = len(await producer_partitions_for(self.rt.app.producer, topic))
             by_partition: dict[int, list[tuple[bytes | None, bytes]]] = {}
             outcomes: Counter[str] = Counter()
@@ -524,7 +535,7 @@ class RiskAgents:
                 hits.update(hit.rule_id for hit in verdict.hits)
                 self.metrics.decision_latency.observe(max(0, decided - item["ts"]) / 1000)
             # keyed by account, on the partition the producer's own partitioner would choose
-            futures += [b.ack for b in await send_batches(producer, topic, by_partition)]
+            futures += [b.ack for b in await sender.send(topic, by_partition)]
             for outcome, n in outcomes.items():
                 self.metrics.decisions.labels(decision=outcome).inc(n)
             for rule_id, n in hits.items():
