@@ -91,6 +91,18 @@ class RiskModel:
         self.meta = meta
         self.version: str = meta["version"]
         self._safe_feature = np.where(self.feature < 0, 0, self.feature)
+        # for raw(): a leaf leads to itself (so a walk needs no test for leaves) and its test always
+        # holds; thresholds as the largest float32 at or below them, so comparing float32 inputs
+        # with them decides as comparing those inputs with the float64 thresholds does
+        leaf = self.left < 0
+        own = np.arange(self.left.size)
+        self._walk_left = np.where(leaf, own, self.left)
+        self._walk_right = np.where(leaf, own, self.right)
+        thr = np.where(leaf, np.inf, self.threshold)
+        thr32 = thr.astype(np.float32)
+        above = thr32.astype(np.float64) > thr
+        thr32[above] = np.nextafter(thr32[above], np.float32(-np.inf))
+        self._walk_threshold = thr32
         # plain lists for the one-event walk of explain()
         self._lists = (
             self.feature.tolist(),
@@ -102,15 +114,15 @@ class RiskModel:
 
     # ---- scoring -----------------------------------------------------------------------------
     def raw(self, X: np.ndarray) -> np.ndarray:
-        """Log-odds of rows of :func:`vectorize` output (any float dtype; compared as float32)."""
-        X = np.asarray(X, dtype=np.float32).astype(np.float64)
-        n = X.shape[0]
+        """Log-odds of rows of :func:`vectorize` output (any float dtype; compared as float32, as
+        scikit-learn's trees compare them)."""
+        X = np.ascontiguousarray(X, dtype=np.float32)
+        n, width = X.shape
         nodes = np.broadcast_to(self.roots, (n, self.roots.size)).copy()
-        rows = np.arange(n)[:, None]
+        flat, row_start = X.ravel(), (np.arange(n) * width)[:, None]
         for _ in range(self.depth):
-            left = self.left[nodes]
-            go_left = X[rows, self._safe_feature[nodes]] <= self.threshold[nodes]
-            nodes = np.where(left < 0, nodes, np.where(go_left, left, self.right[nodes]))
+            go_left = flat[row_start + self._safe_feature[nodes]] <= self._walk_threshold[nodes]
+            nodes = np.where(go_left, self._walk_left[nodes], self._walk_right[nodes])
         return self.base + self.value[nodes].sum(axis=1)
 
     def proba(self, X: np.ndarray) -> np.ndarray:

@@ -148,3 +148,30 @@ def test_risk_phases_reports_capacity_latency_and_full_collections(kafka: Embedd
     assert 0 < r["low_p50_ms"] <= r["low_p90_ms"] <= r["low_p99_ms"]
     assert r["gc2_count_total"] >= 1 and r["gc2_seconds_total"] > 0
     assert 0 <= r["gc2_count_low"] <= r["gc2_count_total"]
+
+
+def test_scores_inputs_at_the_split_thresholds_as_scikit_learn_does() -> None:
+    """Inputs equal to a split's threshold once rounded to float32, and the float32 values either
+    side of it, land on the side scikit-learn's own trees send them to (``raw`` compares float32
+    inputs with thresholds rounded down to float32)."""
+    from sklearn.ensemble import GradientBoostingClassifier
+
+    from models.risk import _export
+
+    rng = np.random.default_rng(3)
+    Xr = (rng.normal(size=(600, len(INPUTS))) * 1000).astype(np.float32)
+    yr = (Xr[:, 0] + Xr[:, 5] * 0.001 * Xr[:, 9] > 300).astype(int)
+    gb = GradientBoostingClassifier(n_estimators=30, max_depth=3).fit(Xr, yr)
+    model = _export(gb, {})
+    rows = []
+    for f, t in zip(model.feature.tolist(), model.threshold.tolist(), strict=True):
+        if f < 0:
+            continue
+        t32 = np.float32(t)
+        for v in (np.nextafter(t32, np.float32(-np.inf)), t32, np.nextafter(t32, np.float32(np.inf))):
+            row = Xr[len(rows) % len(Xr)].copy()
+            row[f] = v
+            rows.append(row)
+    X = np.asarray(rows, dtype=np.float32)
+    assert len(X) > 100
+    assert np.allclose(model.raw(X), gb.decision_function(X), rtol=0, atol=1e-9)

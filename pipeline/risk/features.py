@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipeline.risk import jsonio
 from pipeline.risk.records import ENTITY_KINDS
@@ -132,9 +132,9 @@ class EntityState:
         return st
 
 
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    """What :func:`step` found: ``status`` DUP (seen before), LATE (account only) or OK with features."""
+class StepResult(NamedTuple):
+    """What :func:`step` found: ``status`` DUP (seen before), LATE (account only) or OK with features.
+    A named tuple: one is made per entity an event visits, and a frozen dataclass costs more to make."""
 
     status: str
     features: list[Any] | None = None
@@ -151,6 +151,10 @@ def _geometry(horizon_ms: int) -> tuple[tuple[int, int, int], ...]:
 
 
 _GEOMETRY: dict[int, tuple[tuple[int, int, int], ...]] = {}
+#: the features of a window with no tiles, by (counts small amounts, distinct fields)
+_ZEROS: dict[bool, list[list[Any]]] = {
+    small: [([0, 0.0, 0] if small else [0, 0.0]) + [0] * nf for nf in range(8)] for small in (False, True)
+}
 
 
 def step(spec: EntitySpec, cfg: FeatureConfig, state: EntityState, ev: dict[str, Any]) -> StepResult:
@@ -175,8 +179,11 @@ def step(spec: EntitySpec, cfg: FeatureConfig, state: EntityState, ev: dict[str,
     small_on = spec.small
     is_small = int(small_on and 0 < amount <= cfg.small_amount_cents)
     values = [ev[f] for f in fields]
+    fresh = [(v,) if v is not None else () for v in values]
+    zeros = _ZEROS[small_on][nf]
     out: list[Any] = []
     count = total = 0
+    chosen: tuple[tuple[Any, ...], ...]
     for wi, (tile_ms, n, kept) in enumerate(_geometry(cfg.horizon_ms)):
         tiles = state.tiles[wi]
         hi = t // tile_ms
@@ -186,44 +193,52 @@ def step(spec: EntitySpec, cfg: FeatureConfig, state: EntityState, ev: dict[str,
             lo = floor
         count = total = small = 0
         if not tiles:
-            out += [0, 0.0, 0] if small_on else [0, 0.0]
-            out += [0] * nf
+            out += zeros
         else:
-            if len(tiles) <= hi - lo + 1:
-                chosen = [tile for idx, tile in tiles.items() if lo <= idx <= hi]
+            if len(tiles) == 1:  # the most common case by far (one tile of each window)
+                for idx, tile in tiles.items():
+                    chosen = (tile,) if lo <= idx <= hi else ()
+            elif len(tiles) <= hi - lo + 1:
+                chosen = tuple([tile for idx, tile in tiles.items() if lo <= idx <= hi])
             else:
-                chosen = [tile for idx in range(lo, hi + 1) if (tile := tiles.get(idx)) is not None]
-            for tile in chosen:
-                count += tile[0]
-                total += tile[1]
-                small += tile[2]
-            out.append(count)
-            out.append(total / 100)
-            if small_on:
-                out.append(small)
+                chosen = tuple([got for idx in range(lo, hi + 1) if (got := tiles.get(idx)) is not None])
             if len(chosen) == 1:
-                out += [len(x) for x in chosen[0][3:]]
+                one = chosen[0]
+                count, total, small = one[0], one[1], one[2]
+                out.append(count)
+                out.append(total / 100)
+                if small_on:
+                    out.append(small)
+                out += [len(x) for x in one[3:]]
             else:
+                for tile in chosen:
+                    count += tile[0]
+                    total += tile[1]
+                    small += tile[2]
+                out.append(count)
+                out.append(total / 100)
+                if small_on:
+                    out.append(small)
                 for k in range(3, 3 + nf):
-                    out.append(len(set().union(*(tile[k] for tile in chosen))))
+                    out.append(len(set().union(*[tile[k] for tile in chosen])))
             # prune tiles below the floor (no later event reads them): tiles are mostly added in
             # order, so the first is the oldest; a full sweep when there are more than kept
             if next(iter(tiles)) < floor or len(tiles) > kept:
                 for idx in [i for i in tiles if i < floor]:
                     del tiles[idx]
         if hi >= floor:
-            tile = tiles.get(hi)
-            if tile is None:
-                tiles[hi] = (1, amount, is_small, *((v,) if v is not None else () for v in values))
+            cur = tiles.get(hi)
+            if cur is None:
+                tiles[hi] = (1, amount, is_small, *fresh)
             else:
                 tiles[hi] = (
-                    tile[0] + 1,
-                    tile[1] + amount,
-                    tile[2] + is_small,
-                    *(
+                    cur[0] + 1,
+                    cur[1] + amount,
+                    cur[2] + is_small,
+                    *[
                         vs if v is None or v in vs else (*vs, v)
-                        for v, vs in zip(values, tile[3:], strict=True)
-                    ),
+                        for v, vs in zip(values, cur[3:], strict=True)
+                    ],
                 )
     out.append(None if prev is None else max(0, t - prev) / 1000)
     if spec.kind == "account":
