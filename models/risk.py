@@ -55,7 +55,10 @@ class RiskModelError(SurgeError):
 
 def vectorize(event: dict[str, Any], features: dict[str, Any]) -> list[float]:
     """The model's inputs for one event, in :data:`INPUTS` order (float32-rounded by the caller)."""
-    row = [MISSING if (v := features.get(n)) is None else float(v) for n in ALL_FEATURES]
+    # a dict of every feature in ALL_FEATURES order (what the feature code makes) is read in order:
+    # one lookup per feature was a third of a risk worker's scoring
+    values = features.values() if tuple(features) == ALL_FEATURES else map(features.get, ALL_FEATURES)
+    row: list[float] = [MISSING if v is None else v for v in values]
     amount = float(event["amount"])
     kind = event["type"]
     row += [

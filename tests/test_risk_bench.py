@@ -175,3 +175,19 @@ def test_scores_inputs_at_the_split_thresholds_as_scikit_learn_does() -> None:
     X = np.asarray(rows, dtype=np.float32)
     assert len(X) > 100
     assert np.allclose(model.raw(X), gb.decision_function(X), rtol=0, atol=1e-9)
+
+
+def test_vectorize_reads_features_by_name_whatever_their_order() -> None:
+    """The features the feature code makes (every name, in order) are read in order; any other dict is
+    read by name, a missing feature as -1."""
+    eng = FeatureEngine()
+    rows = [
+        (e, f) for e in simulate(SimConfig(customers=30, days=1, seed=5))[:200] if (f := eng.process(e)[1])
+    ]
+    assert rows
+    for e, f in rows[:50]:
+        row = vectorize(e, f)
+        assert vectorize(e, dict(reversed(f.items()))) == row
+        some = {k: v for i, (k, v) in enumerate(f.items()) if i % 2}
+        partial = vectorize(e, some)
+        assert all(partial[i] == (row[i] if i % 2 else -1.0) for i in range(len(f)))
