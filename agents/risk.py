@@ -364,10 +364,10 @@ class RiskAgents:
         try:
             for fut in futures:
                 await fut
+            logged = await self._write_states(kind, writes)
         except Exception as exc:
             await self._fail(kind, exc)
             raise
-        logged = await self._write_states(kind, writes)
         task = asyncio.ensure_future(self._ack_when_logged(kind, stream, events, logged))
         self.sending[task] = SendGroup(time.monotonic(), [b.ack for b in logged])
         task.add_done_callback(self._settled)
