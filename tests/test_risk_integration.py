@@ -325,3 +325,10 @@ async def test_states_reach_the_store_and_the_changelog_with_the_changelog_offse
             assert stored.pop(OFFSET_KEY, None) == str(ends[p] - 1).encode(), (kind, p, ends[p])
             assert stored == latest[p], (kind, p, len(stored), len(latest[p]))
             assert all(json.loads(k) for k in stored), "keys serialised as the table serialises them"
+    # decisions, sent as whole batches, are keyed by account on the partition the producer's own
+    # partitioner gives the key
+    decisions = await d.read_topic(d.topics.risk_decisions)
+    assert len(decisions) >= len(events)
+    for r in decisions:
+        assert r.key == json.loads(r.value)["account"].encode()
+        assert r.partition == partition_for(r.key.decode(), PARTITIONS), (r.key, r.partition)
