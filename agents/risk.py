@@ -192,6 +192,8 @@ class RiskAgents:
         self._counted = {k: (0, 0) for k in ENTITY_KINDS}
         self._changelogs: dict[str, str] = {}
         self._sender: BatchSender | None = None
+        #: per stage, the task acking its latest batch (the next one acks after it)
+        self._last_ack: dict[str, asyncio.Future[None]] = {}
         #: the newest changelog offset written to each partition's store (never moved back)
         self._persisted: dict[TP, int] = {}
         self.decided = 0
@@ -368,7 +370,11 @@ class RiskAgents:
         except Exception as exc:
             await self._fail(kind, exc)
             raise
-        task = asyncio.ensure_future(self._ack_when_logged(kind, stream, events, logged))
+        # acks in batch order: Faust commits the first run of consecutive acked offsets, so a later
+        # batch acked first would let a commit step over an earlier batch still waiting
+        prev_ack = self._last_ack.get(kind)
+        task = asyncio.ensure_future(self._ack_when_logged(kind, stream, events, logged, prev_ack))
+        self._last_ack[kind] = task
         self.sending[task] = SendGroup(time.monotonic(), [b.ack for b in logged])
         task.add_done_callback(self._settled)
 
@@ -413,7 +419,12 @@ class RiskAgents:
         return name
 
     async def _ack_when_logged(
-        self, kind: str, stream: faust.StreamT, events: Sequence[EventT], logged: list[SentBatch]
+        self,
+        kind: str,
+        stream: faust.StreamT,
+        events: Sequence[EventT],
+        logged: list[SentBatch],
+        prev: asyncio.Future[None] | None = None,
     ) -> None:
         """Ack the batch's records once its changelog records are on the broker, and remember the
         newest changelog offset of each partition in the store (where a restart's recovery starts
@@ -425,6 +436,9 @@ class RiskAgents:
         except Exception as exc:
             await self._fail(kind, exc)
             raise
+        if prev is not None:
+            with contextlib.suppress(Exception):  # its failure has stopped the worker already
+                await asyncio.shield(prev)
         store = cast(StoreT, self.tables[kind].data)
         changelog = self._changelog_topic(kind)
         for partition, offset in newest.items():
