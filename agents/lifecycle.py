@@ -37,9 +37,10 @@ from faust.types import TP
 from mode import SignalT
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from agents.acks import stuck_after_s
 from agents.runtime import Runtime
 from pipeline.admin import changelog_topics
-from pipeline.compat import blind_read_offsets, producer_partitions_for
+from pipeline.compat import before_flow_resume, blind_read_offsets, producer_partitions_for
 from pipeline.terms import PRIORITIES
 
 log = logging.getLogger("surge.lifecycle")
@@ -187,12 +188,6 @@ class Lifecycle:
         committed = False
         try:
             committed = await self.rt.acker.commit()
-            if not self.source_topics:  # agents that ack through Faust (the risk path)
-                # a commit already under way makes Faust return False without committing what
-                # was acked since: ask again until one of ours ran
-                for _ in range(5):
-                    if committed := await self.app.consumer.commit():
-                        break
         except Exception:
             log.exception("commit after drain failed")
         log.warning(
@@ -233,6 +228,60 @@ class Lifecycle:
         waits for the shutdown to cancel it."""
         if self.stopping:
             await asyncio.Future()
+
+
+def commit_in_order(
+    life: Lifecycle,
+    *,
+    on_revoked: PartitionsHandler | None = None,
+    on_commit_timer: Callable[[], None] | None = None,
+) -> None:
+    """Wire the Acker (agents/acks.py) into the rebalances and timers of a worker whose agents read
+    ``life.source_topics`` with it; the same for every role (docs/architecture.md, "Guarantees").
+
+    * revoked: :meth:`Lifecycle.on_revoked` (drain, commit, drop the revoked ledgers), then
+      ``on_revoked`` (what the role forgets of work begun before the rebalance);
+    * assigned: each source partition is sought to its committed offset, else the log start;
+    * flow resumed: Faust empties the stream buffers, so reading goes on from the first offset not
+      taken on;
+    * every ``commit_interval_ms``: commit what was released, look for holes, report stuck sends,
+      then ``on_commit_timer()``.
+    """
+    app, rt = life.app, life.rt
+    settings = rt.settings
+
+    async def revoked(tps: set[TP]) -> None:
+        await life.on_revoked(tps)
+        if on_revoked is not None:
+            await on_revoked(tps)
+
+    async def seek_sources(assigned: set[TP]) -> None:
+        rt.acker.keep_only(assigned)
+        life.seeking += 1
+        try:
+            await rt.acker.seek_to_starts([tp for tp in assigned if tp.topic in life.source_topics])
+        finally:
+            life.seeking -= 1
+
+    on_partitions(app.on_partitions_revoked, revoked)
+    on_partitions(app.on_partitions_assigned, seek_sources)
+
+    def before_buffers_cleared() -> None:
+        try:
+            assigned = [tp for tp in app.consumer.assignment() if tp.topic in life.source_topics]
+        except Exception:  # no consumer yet (the first resume comes before any assignment)
+            return
+        rt.acker.reseek_soon(rt.acker.resume_points(assigned))
+
+    before_flow_resume(app, before_buffers_cleared)
+
+    @app.timer(interval=settings.commit_interval_ms / 1000)
+    async def commit_released() -> None:
+        await rt.acker.commit()
+        await rt.acker.check_holes(time.monotonic())
+        rt.acker.report_stuck_sends(time.monotonic(), stuck_after_s(settings.producer_request_timeout_ms))
+        if on_commit_timer is not None:
+            on_commit_timer()
 
 
 def serve_pages(

@@ -4,8 +4,9 @@ and the worker that runs them (``surge worker --role risk``). docs/architecture.
 Thin wiring of :mod:`pipeline.risk`: each stage reads its topic (``surge.risk.events`` for the
 account, a repartition topic for the others), runs :class:`pipeline.risk.stages.Stage` on what it
 read, sends the items on, the decisions and the late events, waits until the broker has
-acknowledged all of it, then writes the changed entity states to its table (and so its changelog),
-and only then acks the records it read. A crash at any point leaves either nothing or the outputs
+acknowledged all of it, then writes the changed entity states to its table's store and changelog,
+and only then finishes the records it read in the worker's Acker, which commits in offset order
+(agents/acks.py; docs/architecture.md, "Risk: takeover"). A crash at any point leaves either nothing or the outputs
 without the state: the records are read again, recomputed from the same state, and the outputs are
 repeated identically; an entity that already holds the event's id skips it (its outputs are known to
 be on the broker).
@@ -22,14 +23,14 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import faust
 from faust.types import TP, EventT, StoreT, TableT
 
-from agents.acks import SendGroup, report_stuck, stuck_after_s
+from agents.acks import SendGroup, Ticket, report_stuck, stuck_after_s
 from agents.batch_send import BatchSender, SentBatch
-from agents.lifecycle import Lifecycle, on_partitions, serve_pages
+from agents.lifecycle import Lifecycle, commit_in_order, on_partitions, serve_pages
 from agents.runtime import Runtime, event_context, unacked
 from pipeline.admin import ensure_topics
 from pipeline.app import create_app, table_store_options
@@ -113,27 +114,36 @@ def feature_config(s: Settings) -> FeatureConfig:
     )
 
 
+class Taken(NamedTuple):
+    """A record a stage's reader took on: its ticket in the Acker's ledger, and the Acker's
+    generation when it was read (a rebalance since makes it stale: its partition is read again)."""
+
+    event: EventT
+    ticket: Ticket
+    generation: int
+
+
 class _Batches:
     """Records read but not yet processed: the reader appends, the processor takes all there is."""
 
     def __init__(self, max_records: int) -> None:
         self.max = max_records
-        self.items: list[EventT] = []
+        self.items: list[Taken] = []
         self.ready = asyncio.Event()
         self.space = asyncio.Event()
         self.space.set()
         self.full = asyncio.Event()
 
-    async def put(self, event: EventT) -> None:
+    async def put(self, taken: Taken) -> None:
         while len(self.items) >= 2 * self.max:
             self.space.clear()
             await self.space.wait()
-        self.items.append(event)
+        self.items.append(taken)
         self.ready.set()
         if len(self.items) >= self.max:
             self.full.set()
 
-    async def take(self, linger_s: float = 0.0) -> list[EventT]:
+    async def take(self, linger_s: float = 0.0) -> list[Taken]:
         """What has arrived (at most ``max``): waits for a first record, then up to ``linger_s`` more
         for the batch to fill (bigger batches: fewer broker records and table writes per event)."""
         await self.ready.wait()
@@ -147,6 +157,12 @@ class _Batches:
             self.ready.clear()
         self.space.set()
         return batch
+
+    def clear(self) -> None:
+        """Drop what is waiting (a rebalance made it stale)."""
+        self.items.clear()
+        self.ready.clear()
+        self.space.set()
 
 
 class RiskAgents:
@@ -192,8 +208,8 @@ class RiskAgents:
         self._counted = {k: (0, 0) for k in ENTITY_KINDS}
         self._changelogs: dict[str, str] = {}
         self._sender: BatchSender | None = None
-        #: per stage, the task acking its latest batch (the next one acks after it)
-        self._last_ack: dict[str, asyncio.Future[None]] = {}
+        #: per stage, the records read and not yet processed
+        self._buffers: dict[str, _Batches] = {}
         #: the newest changelog offset written to each partition's store (never moved back)
         self._persisted: dict[TP, int] = {}
         self.decided = 0
@@ -217,6 +233,18 @@ class RiskAgents:
         for c in self.caches.values():
             c.clear()
         self._persisted.clear()
+
+    def forget_in_flight(self) -> None:
+        """Called on every rebalance once the drain is over and the Acker has moved to a new
+        generation: whatever is still in flight is stale (its records are read again by their
+        partitions' owners), so the states it serialised, the cached states it changed and the
+        records waiting to be processed are dropped; batches still in flight write no state and
+        ack nothing (docs/architecture.md, "Risk: takeover")."""
+        self.clear_caches()
+        for pending in self.pending.values():
+            pending.clear()
+        for buffer in self._buffers.values():
+            buffer.clear()
 
     # ---- rules -------------------------------------------------------------------------------------
     def apply_rule_record(self, key: bytes | None, value: bytes | None) -> None:
@@ -296,36 +324,48 @@ class RiskAgents:
 
     # ---- stages ------------------------------------------------------------------------------------
     async def run_stage(self, kind: str, stream: faust.StreamT) -> None:
-        """Reader half of a stage: hands records to the processor, which takes them in batches."""
-        s = unacked(stream)
-        batches = _Batches(self.s.risk_batch_max_records)
-        processor = asyncio.ensure_future(self._process_loop(kind, s, batches))
+        """Reader half of a stage: takes each record on in the Acker's ledger (which commits in
+        offset order, agents/acks.py) and hands it to the processor, which takes them in batches."""
+        acker, life = self.rt.acker, self.rt.lifecycle
+        batches = self._buffers[kind] = _Batches(self.s.risk_batch_max_records)
+        processor = asyncio.ensure_future(self._process_loop(kind, batches))
         try:
-            async for event in s.events():
+            async for event in unacked(stream).events():
                 if processor.done():
                     break
-                await batches.put(event)
+                generation = acker.generation
+                await life.hold_if_stopping()
+                ticket = await acker.track(event, generation)
+                if ticket is None:  # stale, or a repeat delivery of an offset taken on already
+                    continue
+                await batches.put(Taken(event, ticket, generation))
         finally:
             processor.cancel()
 
-    async def _process_loop(self, kind: str, stream: faust.StreamT, batches: _Batches) -> None:
+    async def _process_loop(self, kind: str, batches: _Batches) -> None:
         """Processor half: a batch is processed and its outputs sent at once; waiting for the broker,
         writing the states and acking happen in a settle task per batch, chained in batch order, so the
         next batch waits for a broker round trip only when ``risk_batches_in_flight`` batches are in flight;
         what arrives meanwhile makes the next batch bigger, and a bigger batch costs less per event."""
         await self.rules_ready.wait()
+        acker = self.rt.acker
         settling: list[asyncio.Future[None]] = []
         while True:
-            events = await batches.take(self.s.risk_batch_wait_ms / 1000)
+            taken = await batches.take(self.s.risk_batch_wait_ms / 1000)
+            generation = acker.generation
+            events = [t.event for t in taken if t.generation == generation]
+            if not events:
+                continue
+            tickets = [t.ticket for t in taken if t.generation == generation]
             try:
-                futures, writes = await self.process(kind, events)
+                futures, writes = await self.process(kind, events, generation)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 await self._fail(kind, exc)
                 return
             prev = settling[-1] if settling else None
-            task = asyncio.ensure_future(self._settle(kind, stream, events, futures, writes, prev))
+            task = asyncio.ensure_future(self._settle(kind, tickets, generation, futures, writes, prev))
             self.sending[task] = SendGroup(time.monotonic(), futures)
             task.add_done_callback(self._settled)
             settling.append(task)
@@ -352,29 +392,29 @@ class RiskAgents:
     async def _settle(
         self,
         kind: str,
-        stream: faust.StreamT,
-        events: Sequence[EventT],
+        tickets: list[Ticket],
+        generation: int,
         futures: list[Awaitable[Any]],
         writes: list[tuple[str, bytes, Any]],
         prev: asyncio.Future[None] | None,
     ) -> None:
         """Once the batch's outputs are on the broker (and the previous batch has settled): write its
         states to the table's store and send their changelog records, in batch order; its records are
-        acked once the broker has those too (:meth:`_ack_when_logged`)."""
+        finished once the broker has those too (:meth:`_ack_when_logged`). A batch that a rebalance
+        overtook writes nothing and finishes nothing: its partitions may be another worker's now, and
+        their owner reads its records again and repeats its outputs identically."""
         if prev is not None:
             await asyncio.shield(prev)
         try:
             for fut in futures:
                 await fut
+            if self.rt.acker.generation != generation:
+                return
             logged = await self._write_states(kind, writes)
         except Exception as exc:
             await self._fail(kind, exc)
             raise
-        # acks in batch order: Faust commits the first run of consecutive acked offsets, so a later
-        # batch acked first would let a commit step over an earlier batch still waiting
-        prev_ack = self._last_ack.get(kind)
-        task = asyncio.ensure_future(self._ack_when_logged(kind, stream, events, logged, prev_ack))
-        self._last_ack[kind] = task
+        task = asyncio.ensure_future(self._ack_when_logged(kind, tickets, generation, logged))
         self.sending[task] = SendGroup(time.monotonic(), [b.ack for b in logged])
         task.add_done_callback(self._settled)
 
@@ -419,16 +459,14 @@ class RiskAgents:
         return name
 
     async def _ack_when_logged(
-        self,
-        kind: str,
-        stream: faust.StreamT,
-        events: Sequence[EventT],
-        logged: list[SentBatch],
-        prev: asyncio.Future[None] | None = None,
+        self, kind: str, tickets: list[Ticket], generation: int, logged: list[SentBatch]
     ) -> None:
-        """Ack the batch's records once its changelog records are on the broker, and remember the
-        newest changelog offset of each partition in the store (where a restart's recovery starts
-        reading the changelog: what Faust's table does after each of its own changelog sends)."""
+        """Finish the batch's records once its changelog records are on the broker (the Acker
+        commits them in offset order, whatever order batches finish in), and remember the newest
+        changelog offset of each partition in the store (where a restart's recovery starts reading
+        the changelog: what Faust's table does after each of its own changelog sends). After a
+        rebalance, neither: a partition moved away may have changelog records of its new owner's
+        past this offset."""
         newest: dict[int, int] = {}
         try:
             for batch in logged:
@@ -436,9 +474,8 @@ class RiskAgents:
         except Exception as exc:
             await self._fail(kind, exc)
             raise
-        if prev is not None:
-            with contextlib.suppress(Exception):  # its failure has stopped the worker already
-                await asyncio.shield(prev)
+        if self.rt.acker.generation != generation:
+            return
         store = cast(StoreT, self.tables[kind].data)
         changelog = self._changelog_topic(kind)
         for partition, offset in newest.items():
@@ -446,15 +483,15 @@ class RiskAgents:
             if offset > self._persisted.get(tp, -1):
                 self._persisted[tp] = offset
                 store.set_persisted_offset(tp, offset)
-        for event in events:
-            await stream.ack(event)
+        await self.rt.acker.finish(tickets)
 
     async def process(
-        self, kind: str, events: Sequence[EventT]
+        self, kind: str, events: Sequence[EventT], generation: int
     ) -> tuple[list[Awaitable[Any]], list[tuple[str, bytes, Any]]]:
         """One batch of one stage: decode, run the stage, send what it made. Returns the broker's
         acknowledgements to wait for and the states to write after them (serialised now: the next
-        batch changes them in memory)."""
+        batch changes them in memory); no states once a rebalance overtook the batch (``generation``
+        is the Acker's when it was taken), whose changes of cached states were dropped with it."""
         futures: list[Awaitable[Any]] = []
         batch: list[tuple[dict[str, Any], Any]] = []
         if kind == "account":
@@ -481,8 +518,12 @@ class RiskAgents:
                     futures.append(await self.rt.deadletter(ev, "internal", exc.message))
                     continue
                 batch += [(item, ev) for item in items]
+        if self.rt.acker.generation != generation:
+            return futures, []
         res = self.stages[kind].run(batch)
         futures += await self._emit(res)
+        if self.rt.acker.generation != generation:
+            return futures, []
         pending = self.pending[kind]
         writes = []
         for key, (state, ctx) in res.dirty.items():
@@ -655,7 +696,6 @@ def register(rt: Runtime) -> RiskAgents:
     async def clear_caches(_: set[TP]) -> None:
         risk.clear_caches()
 
-    on_partitions(app.on_partitions_revoked, clear_caches)
     on_partitions(app.on_partitions_assigned, clear_caches)
 
     return risk
@@ -667,7 +707,14 @@ def build_risk_app(settings: Settings) -> tuple[faust.App, Runtime]:
     rt = Runtime(settings, app, create_metrics())
     risk = register(rt)
     rt.risk = risk
-    life = rt.lifecycle = Lifecycle(app, rt)
+    sources = [rt.topics.risk_events, *(repartition_topic(settings, k) for k in REKEYED_KINDS)]
+    life = rt.lifecycle = Lifecycle(app, rt, source_topics=sources)
+
+    async def forget(_: set[TP]) -> None:
+        risk.forget_in_flight()
+
+    # the Acker commits in offset order, like the request path's (docs/architecture.md, "Risk: takeover")
+    commit_in_order(life, on_revoked=forget)
 
     @app.task
     async def announce_ready() -> None:

@@ -7,22 +7,20 @@ import gc
 import json
 import logging
 import sys
-import time
 from typing import Any
 
 import faust
-from faust.types import TP, TableT
+from faust.types import TableT
 
 from agents import inference as inference_agent
 from agents import intake as intake_agent
-from agents.acks import stuck_after_s
 from agents.durable_table import DurableTable
-from agents.lifecycle import Lifecycle, on_partitions, serve_pages
+from agents.lifecycle import Lifecycle, commit_in_order, serve_pages
 from agents.runtime import Runtime
 from pipeline.admin import changelog_config
 from pipeline.app import create_app, table_store_options
 from pipeline.cache import AnswerCache
-from pipeline.compat import before_flow_resume, flush_changelog_buffers
+from pipeline.compat import flush_changelog_buffers
 from pipeline.metrics import GpuSampler, create_metrics
 from pipeline.records import now_ms
 from pipeline.replybook import ReplyBook
@@ -133,37 +131,8 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
     sources = [rt.topics.requests, *(rt.topics.work(p) for p in PRIORITIES)]
     life = rt.lifecycle = Lifecycle(app, rt, source_topics=sources)
 
-    async def seek_sources(assigned: set[TP]) -> None:
-        # every source partition starts at its committed offset, else the log start (agents/acks.py)
-        rt.acker.keep_only(assigned)
-        life.seeking += 1
-        try:
-            await rt.acker.seek_to_starts([tp for tp in assigned if tp.topic in life.source_topics])
-        finally:
-            life.seeking -= 1
-
-    on_partitions(app.on_partitions_revoked, life.on_revoked)
-    on_partitions(app.on_partitions_assigned, seek_sources)
-
-    def before_buffers_cleared() -> None:
-        # Faust empties every stream buffer when it resumes the flow after a rebalance: seek each
-        # source partition back to the first offset not taken on (docs/architecture.md, "Guarantees")
-        try:
-            assigned = [tp for tp in app.consumer.assignment() if tp.topic in life.source_topics]
-        except Exception:  # no consumer yet (the first resume comes before any assignment)
-            return
-        rt.acker.reseek_soon(rt.acker.resume_points(assigned))
-
-    before_flow_resume(app, before_buffers_cleared)
-
-    @app.timer(interval=settings.commit_interval_ms / 1000)
-    async def commit_released() -> None:
-        # the Acker commits what its ledgers released and checks for holes (agents/acks.py)
-        await rt.acker.commit()
-        await rt.acker.check_holes(time.monotonic())
-        # other workers' answers and recorded replies into this worker's stores (pipeline/compat.py)
-        flush_changelog_buffers(app)
-        rt.acker.report_stuck_sends(time.monotonic(), stuck_after_s(settings.producer_request_timeout_ms))
+    # other workers' answers and recorded replies into this worker's stores (pipeline/compat.py)
+    commit_in_order(life, on_commit_timer=lambda: flush_changelog_buffers(app))
 
     @app.task
     async def warm_writes() -> None:

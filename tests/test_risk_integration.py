@@ -59,11 +59,8 @@ def event(eid: str, account: str, t: int, **kw: Any) -> dict[str, Any]:
     return e
 
 
-async def start(deployment: Any, **env: Any) -> tuple[Any, Any, RiskClient]:
-    d = deployment(**env)
-    await ensure_risk_topics(d.settings)
-    w = d.worker(role="risk", wait=False)
-    await asyncio.to_thread(w.wait_ready, RISK_READY, 180)
+async def risk_client(d: Any) -> RiskClient:
+    """A started client of ``d``'s risk topics, closed with the deployment."""
     c = RiskClient(
         d.bootstrap,
         events_topic=d.topics.risk_events,
@@ -72,7 +69,28 @@ async def start(deployment: Any, **env: Any) -> tuple[Any, Any, RiskClient]:
     )
     await c.start()
     d.clients.append(c)
-    return d, w, c
+    return c
+
+
+async def assert_all_decided_as_recomputed(d: Any, c: RiskClient, futs: dict[str, Any]) -> None:
+    """Every event sent (``futs``) gets a decision within 120 s, and every decision, repeats after a
+    crash included, holds the features the brute-force recomputation gives (nothing late wrongly)."""
+    _, pending = await asyncio.wait(futs.values(), timeout=120)
+    assert not pending, f"{len(pending)} of {len(futs)} events without a decision after the crash"
+    await asyncio.sleep(2)  # repeats of decisions made before the crash arrive too
+    decisions = [dec for dec, _ in c.decisions]
+    report = check_decisions(await read_arrivals(d.settings), decisions, feature_config(d.settings), futs)
+    assert report["missing"] == 0 and report["repeats_differing"] == 0, report
+    assert report["mismatched_decisions"] == 0, report["mismatch_examples"]
+    assert report["late_wrong"] == 0
+
+
+async def start(deployment: Any, **env: Any) -> tuple[Any, Any, RiskClient]:
+    d = deployment(**env)
+    await ensure_risk_topics(d.settings)
+    w = d.worker(role="risk", wait=False)
+    await asyncio.to_thread(w.wait_ready, RISK_READY, 180)
+    return d, w, await risk_client(d)
 
 
 async def decide_all(
@@ -266,14 +284,7 @@ async def test_sigkill_under_load_then_recovery_from_the_changelog(deployment: A
     await c.producer.flush()
     assert w2 is not None, "the worker was never killed"
     assert in_flight_at_kill > 0, "nothing was in flight at the kill"
-    _, pending = await asyncio.wait(futs.values(), timeout=120)
-    assert not pending, f"{len(pending)} events without a decision after the crash"
-    await asyncio.sleep(2)  # repeats of decisions made before the crash arrive too
-    decisions = [dec for dec, _ in c.decisions]
-    report = check_decisions(await read_arrivals(d.settings), decisions, feature_config(d.settings), futs)
-    assert report["missing"] == 0 and report["repeats_differing"] == 0, report
-    assert report["mismatched_decisions"] == 0, report["mismatch_examples"]
-    assert report["late_wrong"] == 0
+    await assert_all_decided_as_recomputed(d, c, futs)
     # the stuck-send timer runs on the risk role too (agents/acks.report_stuck), and found nothing here
     status = await asyncio.to_thread(w2.status)
     assert status["sends_reported_stuck"] == 0, status

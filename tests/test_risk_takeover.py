@@ -1,0 +1,60 @@
+"""Two risk workers, one SIGKILLed under load and started again: every event still gets a decision,
+and every decision's features equal the brute-force recomputation
+(docs/architecture.md, "Risk: takeover").
+
+The survivor takes over the killed worker's partitions in a rebalance that comes while it has
+batches in flight on its own, and gives half back when the other returns: a batch a rebalance
+overtook must neither be committed past (Faust's own ack bookkeeping did: events were never decided
+in 2 of 8 runs of this test's first half and 1 of 2 of the whole test) nor write the states of a partition that has moved."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from agents.risk import ensure_risk_topics
+from pipeline.risk.simulate import SimConfig, as_event, disorder, simulate
+from pipeline.riskops import RISK_READY
+from tests.test_risk_integration import assert_all_decided_as_recomputed, risk_client
+
+pytestmark = pytest.mark.integration
+
+
+async def test_sigkill_of_one_of_two_risk_workers_then_its_return_leaves_no_event_undecided(
+    deployment: Any,
+) -> None:
+    d = deployment(session_timeout_s=6)
+    await ensure_risk_topics(d.settings)
+    a = d.worker(role="risk", wait=False, worker_id="a")
+    b = d.worker(role="risk", wait=False, worker_id="b", data_dir=str(d.tmp / "data-b"))
+    for w in (a, b):
+        await asyncio.to_thread(w.wait_ready, RISK_READY, 180)
+    c = await risk_client(d)
+    events = [as_event(e) for e in simulate(SimConfig(customers=80, days=1, seed=17, fraud_scale=20))][:700]
+    events = disorder(events, share=0.05, late_share=0.0, grace_ms=5_000, seed=3)
+    kill_at, back_at = len(events) // 3, 2 * len(events) // 3
+    futs = {}
+    back = None
+    for i, e in enumerate(events):
+        futs[e["event_id"]] = await c.send(e)
+        if i == kill_at:
+            await c.producer.flush()
+            b.kill()  # SIGKILL, with a burst in flight on both workers
+            # the survivor takes every partition over once the killed worker's session times out
+            await asyncio.sleep(8)
+        elif i == back_at:
+            # it comes back on its own store: partitions move away from the survivor under load
+            back = d.worker(role="risk", wait=False, worker_id="b", data_dir=str(d.tmp / "data-b"))
+        elif back is not None:  # paced: the returning worker joins while these are being decided
+            await asyncio.sleep(0.06)
+        elif i % 25 == 0:
+            await asyncio.sleep(0.02)
+    await c.producer.flush()
+    assert back is not None
+    await asyncio.to_thread(back.wait_ready, RISK_READY, 180)
+    await assert_all_decided_as_recomputed(d, c, futs)
+    # the survivor took part in the first assignment, the takeover and the give-back at least
+    status = await asyncio.to_thread(a.status)
+    assert status["assignments"] >= 3, status
