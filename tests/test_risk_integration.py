@@ -72,9 +72,10 @@ async def risk_client(d: Any) -> RiskClient:
     return c
 
 
-async def assert_all_decided_as_recomputed(d: Any, c: RiskClient, futs: dict[str, Any]) -> None:
+async def assert_all_decided_as_recomputed(d: Any, c: RiskClient, futs: dict[str, Any]) -> dict[str, Any]:
     """Every event sent (``futs``) gets a decision within 120 s, and every decision, repeats after a
-    crash included, holds the features the brute-force recomputation gives (nothing late wrongly)."""
+    crash included, holds the features the brute-force recomputation gives (nothing late wrongly);
+    the check's report."""
     _, pending = await asyncio.wait(futs.values(), timeout=120)
     assert not pending, f"{len(pending)} of {len(futs)} events without a decision after the crash"
     await asyncio.sleep(2)  # repeats of decisions made before the crash arrive too
@@ -83,6 +84,7 @@ async def assert_all_decided_as_recomputed(d: Any, c: RiskClient, futs: dict[str
     assert report["missing"] == 0 and report["repeats_differing"] == 0, report
     assert report["mismatched_decisions"] == 0, report["mismatch_examples"]
     assert report["late_wrong"] == 0
+    return report
 
 
 async def start(deployment: Any, **env: Any) -> tuple[Any, Any, RiskClient]:

@@ -1,6 +1,6 @@
-"""Two risk workers, one SIGKILLed under load and started again: every event still gets a decision,
-and every decision's features equal the brute-force recomputation
-(docs/architecture.md, "Risk: takeover").
+"""Two risk workers, one SIGKILLed under load and started again; a rolling restart (SIGTERM) of one.
+Every event still gets a decision, every decision's features equal the brute-force recomputation,
+and the rolling restart repeats no decision (docs/architecture.md, "Risk: takeover").
 
 The survivor takes over the killed worker's partitions in a rebalance that comes while it has
 batches in flight on its own, and gives half back when the other returns: a batch a rebalance
@@ -58,3 +58,31 @@ async def test_sigkill_of_one_of_two_risk_workers_then_its_return_leaves_no_even
     # the survivor took part in the first assignment, the takeover and the give-back at least
     status = await asyncio.to_thread(a.status)
     assert status["assignments"] >= 3, status
+
+
+async def test_sigterm_under_load_drains_commits_and_repeats_no_decision(deployment: Any) -> None:
+    """A rolling restart of the only risk worker: SIGTERM under load drains what was read, commits
+    and leaves; the next worker goes on from there, so no event is decided twice."""
+    d = deployment()
+    await ensure_risk_topics(d.settings)
+    first = d.worker(role="risk", wait=False)
+    await asyncio.to_thread(first.wait_ready, RISK_READY, 180)
+    c = await risk_client(d)
+    events = [as_event(e) for e in simulate(SimConfig(customers=80, days=1, seed=19, fraud_scale=20))][:600]
+    stop_at = len(events) // 2
+    futs = {}
+    for i, e in enumerate(events):
+        futs[e["event_id"]] = await c.send(e)
+        if i == stop_at:
+            await c.producer.flush()
+            in_flight = stop_at + 1 - len(c.decisions)
+            first.terminate()  # SIGTERM
+            assert await asyncio.to_thread(first.wait_exit, 60) == 0
+            second = d.worker(role="risk", wait=False)
+            await asyncio.to_thread(second.wait_ready, RISK_READY, 180)
+        elif i % 25 == 0:
+            await asyncio.sleep(0.02)
+    await c.producer.flush()
+    assert in_flight > 0, "nothing was in flight at the SIGTERM"
+    report = await assert_all_decided_as_recomputed(d, c, futs)
+    assert report["repeated_decisions"] == 0, report
