@@ -660,6 +660,9 @@ class RiskAgents:
             "model_version": self.model.version if self.model else None,
             "decided": self.decided,
             "sends_reported_stuck": self.stuck_reported,
+            # records read and not finished, per partition (agents/acks.py): where a stuck one waits
+            "unacked_by_partition": self.rt.acker.describe(),
+            "acked_again_without_work": self.rt.acker.done_again,
             "feature_cache_hit_share": round(hits / reads, 4) if reads else None,
             "feature_cache_entries": {k: len(c) for k, c in self.caches.items()},
         }

@@ -1,17 +1,19 @@
 """A risk stage's batching (agents/risk.py, docs/architecture.md, "Risk: the chain"): the next batch is
 taken while fewer than ``risk_batches_in_flight`` batches wait for the broker; what arrives meanwhile
-goes into one bigger batch. No broker: the stage's processing and settling are replaced by recorders,
-the loop and its batch buffer are the worker's own."""
+goes into one bigger batch, and records read before a rebalance are dropped, not processed. No
+broker: the stage's processing and settling are replaced by recorders, the loop and its batch buffer
+are the worker's own."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from agents.risk import RiskAgents, _Batches
+from agents.risk import RiskAgents, Taken, _Batches
 from pipeline.settings import Settings
 
 
@@ -21,18 +23,22 @@ class _Recorder:
 
     def __init__(self, in_flight: int) -> None:
         self.s = Settings(risk_batches_in_flight=in_flight, risk_batch_wait_ms=0)
+        self.rt = SimpleNamespace(acker=SimpleNamespace(generation=0))
         self.rules_ready = asyncio.Event()
         self.rules_ready.set()
         self.sending: dict[asyncio.Future[None], Any] = {}
         self.taken: list[list[int]] = []
         self.gates: list[asyncio.Event] = []
 
-    async def process(self, kind: str, events: list[int]) -> tuple[list[Awaitable[Any]], list[Any]]:
+    async def process(
+        self, kind: str, events: list[int], generation: int
+    ) -> tuple[list[Awaitable[Any]], list[Any]]:
+        assert generation == self.rt.acker.generation
         self.taken.append(list(events))
         return [], []
 
     async def _settle(
-        self, kind: str, stream: Any, events: Any, futures: Any, writes: Any, prev: Any
+        self, kind: str, tickets: Any, generation: int, futures: Any, writes: Any, prev: Any
     ) -> None:
         gate = asyncio.Event()
         self.gates.append(gate)
@@ -47,17 +53,26 @@ class _Recorder:
         raise AssertionError(f"stage failed: {exc!r}")
 
 
-async def _run(in_flight: int) -> list[list[int]]:
+def taken(event: int, generation: int = 0) -> Taken:
+    return Taken(event, None, generation)  # type: ignore[arg-type]
+
+
+async def _run(in_flight: int, rebalance: bool = False) -> list[list[int]]:
     rec = _Recorder(in_flight)
     batches: _Batches = _Batches(max_records=500)
-    loop = asyncio.ensure_future(RiskAgents._process_loop(rec, "account", None, batches))  # type: ignore[arg-type]
+    loop = asyncio.ensure_future(RiskAgents._process_loop(rec, "account", batches))  # type: ignore[arg-type]
     try:
         for first in (1, 4):  # two batches, each left waiting for the broker
             for event in range(first, first + 3):
-                await batches.put(event)  # type: ignore[arg-type]
+                await batches.put(taken(event))
             await asyncio.sleep(0.02)
-        for event in (7, 8, 9):  # arriving one by one while those two wait
-            await batches.put(event)  # type: ignore[arg-type]
+        if rebalance:  # records read before it wait behind the two batches, then one after it
+            for event in (7, 8):
+                await batches.put(taken(event))
+            rec.rt.acker.generation = 1
+            await batches.put(taken(9, generation=1))
+        for event in [] if rebalance else [7, 8, 9]:  # arriving one by one while those two wait
+            await batches.put(taken(event))
             await asyncio.sleep(0.02)
         for gate in list(rec.gates):
             gate.set()
@@ -73,6 +88,11 @@ async def _run(in_flight: int) -> list[list[int]]:
 
 async def test_records_arriving_while_the_limit_of_batches_waits_for_the_broker_make_one_batch() -> None:
     assert await _run(in_flight=2) == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+
+
+async def test_records_read_before_a_rebalance_are_dropped_unprocessed() -> None:
+    # their partitions are read again from the committed offset by whoever owns them now
+    assert await _run(in_flight=2, rebalance=True) == [[1, 2, 3], [4, 5, 6], [9]]
 
 
 async def test_with_room_in_flight_each_arrival_is_a_batch_of_its_own() -> None:

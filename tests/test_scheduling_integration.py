@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from datetime import datetime
 
 import pytest
@@ -158,13 +159,21 @@ async def test_an_offline_backlog_without_a_deadline_does_not_degrade_anyone(dep
     c = await d.client()
     futs = [await c.submit(request(f"o{i}", f"night-{i % 7}", priority="offline")) for i in range(200)]
     await c.producer.flush()
-    while sum(r.priority == "offline" for r in c.replies) < 20:  # noqa: ASYNC110 - the backlog is being worked
-        await asyncio.sleep(0.02)
-    depths = [
-        float(line.split()[-1])
-        for line in d.workers[0].metrics().splitlines()
-        if line.startswith('requests_queue_depth{priority="offline"}')
-    ]
+    # the queue's depth swings as batches leave it: watched until it has been past level 3's
+    # threshold (read once at the 20th reply, it was 2 in two runs of fourteen)
+    deepest, deadline = 0.0, time.monotonic() + 30
+    while (
+        sum(r.priority == "offline" for r in c.replies) < 20 or deepest <= 6
+    ) and time.monotonic() < deadline:
+        deepest = max(
+            [deepest]
+            + [
+                float(line.split()[-1])
+                for line in d.workers[0].metrics().splitlines()
+                if line.startswith('requests_queue_depth{priority="offline"}')
+            ]
+        )
+        await asyncio.sleep(0.05)
     # one real-time request at a time: three at once would be a real-time queue of 3, over level 1's 2
     rt = []
     for i in range(3):
@@ -172,9 +181,7 @@ async def test_an_offline_backlog_without_a_deadline_does_not_degrade_anyone(dep
         await c.producer.flush()
         await d.replies(rt[-1:], 60)
     replies = await d.replies([*futs, *rt], 120)
-    assert depths and depths[0] > 6, (
-        f"the offline queue must be deeper than level 3's threshold, was {depths}"
-    )
+    assert deepest > 6, f"the offline queue must be deeper than level 3's threshold, was at most {deepest}"
     assert all(r.status == "ok" and r.served_from == "model" for r in replies), {
         (r.served_from, r.error.code if r.error else None) for r in replies
     }
