@@ -83,17 +83,22 @@ def repartition_topic(settings: Settings, kind: str) -> str:
     return f"{settings.app_id}-risk-by-{kind}-repartition"
 
 
+def source_topics(settings: Settings) -> list[str]:
+    """The topics the four stages read: the events, then one repartition topic per re-keyed kind."""
+    from pipeline.topics import TopicNames
+
+    return [
+        TopicNames(settings.topic_prefix).risk_events,
+        *(repartition_topic(settings, k) for k in REKEYED_KINDS),
+    ]
+
+
 def internal_topics(settings: Settings) -> tuple[list[str], list[str]]:
     """``(plain, compacted)`` topics a risk worker needs besides the shared ones."""
     from pipeline.topics import TopicNames
 
     t = TopicNames(settings.topic_prefix)
-    plain = [
-        t.risk_events,
-        t.risk_decisions,
-        t.risk_late,
-        *(repartition_topic(settings, k) for k in REKEYED_KINDS),
-    ]
+    plain = [*source_topics(settings), t.risk_decisions, t.risk_late]
     compacted = [t.risk_rules, *(f"{settings.app_id}-{table_name(k)}-changelog" for k in ENTITY_KINDS)]
     return plain, compacted
 
@@ -353,12 +358,12 @@ class RiskAgents:
         while True:
             taken = await batches.take(self.s.risk_batch_wait_ms / 1000)
             generation = acker.generation
-            events = [t.event for t in taken if t.generation == generation]
-            if not events:
+            fresh = [t for t in taken if t.generation == generation]  # read before a rebalance: dropped
+            if not fresh:
                 continue
-            tickets = [t.ticket for t in taken if t.generation == generation]
+            tickets = [t.ticket for t in fresh]
             try:
-                futures, writes = await self.process(kind, events, generation)
+                futures, writes = await self.process(kind, [t.event for t in fresh], generation)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -710,8 +715,7 @@ def build_risk_app(settings: Settings) -> tuple[faust.App, Runtime]:
     rt = Runtime(settings, app, create_metrics())
     risk = register(rt)
     rt.risk = risk
-    sources = [rt.topics.risk_events, *(repartition_topic(settings, k) for k in REKEYED_KINDS)]
-    life = rt.lifecycle = Lifecycle(app, rt, source_topics=sources)
+    life = rt.lifecycle = Lifecycle(app, rt, source_topics=source_topics(settings))
 
     async def forget(_: set[TP]) -> None:
         risk.forget_in_flight()
