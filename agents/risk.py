@@ -52,6 +52,7 @@ from pipeline.risk.records import (
 from pipeline.risk.rules import DEFAULT_RULES, RuleBook, RuleError, RuleSet
 from pipeline.risk.stages import (
     REKEYED_KINDS,
+    Position,
     RepartitionRecordError,
     Stage,
     StageResult,
@@ -218,6 +219,8 @@ class RiskAgents:
         #: the newest changelog offset written to each partition's store (never moved back)
         self._persisted: dict[TP, int] = {}
         self.decided = 0
+        #: items skipped because their entity had taken them before a crash (input read again)
+        self.reread_skipped = 0
         #: settle tasks still waiting for the broker to acknowledge their batch's outputs
         self.sending: dict[asyncio.Future[None], SendGroup] = {}
         #: batches reported as stuck in the producer (report_stuck_sends)
@@ -499,6 +502,7 @@ class RiskAgents:
         is the Acker's when it was taken), whose changes of cached states were dropped with it."""
         futures: list[Awaitable[Any]] = []
         batch: list[tuple[dict[str, Any], Any]] = []
+        positions: list[Position] = []
         if kind == "account":
             rv = self.book.current.version
             now = now_ms()
@@ -514,6 +518,7 @@ class RiskAgents:
                     futures += await self._invalid(ev, exc.message)
                     continue
                 batch.append((new_item(risk_event.model_dump(), rv, int(msg.timestamp * 1000), now), ev))
+                positions.append((msg.partition, msg.offset, 0))
         else:
             for ev in events:
                 msg = ev.message
@@ -523,9 +528,11 @@ class RiskAgents:
                     futures.append(await self.rt.deadletter(ev, "internal", exc.message))
                     continue
                 batch += [(item, ev) for item in items]
+                positions += [(msg.partition, msg.offset, i) for i in range(len(items))]
         if self.rt.acker.generation != generation:
             return futures, []
-        res = self.stages[kind].run(batch)
+        res = self.stages[kind].run(batch, positions)
+        self.reread_skipped += res.reread
         futures += await self._emit(res)
         if self.rt.acker.generation != generation:
             return futures, []
@@ -664,6 +671,7 @@ class RiskAgents:
             "rules": len(self.book.current),
             "model_version": self.model.version if self.model else None,
             "decided": self.decided,
+            "reread_skipped": self.reread_skipped,
             "sends_reported_stuck": self.stuck_reported,
             # records read and not finished, per partition (agents/acks.py): where a stuck one waits
             "unacked_by_partition": self.rt.acker.describe(),

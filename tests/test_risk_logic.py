@@ -335,6 +335,41 @@ def test_stage_routes_by_next_entity_and_marks_dirty_states() -> None:
     assert cache.misses == 2 and cache.hits == 0
 
 
+def test_input_read_again_after_a_crash_is_skipped_by_position_whatever_its_length() -> None:
+    """A worker killed after writing its states and before committing: its successor reads the
+    uncommitted records again. The 16 event ids an entity remembers cover 16 of them; the position
+    of the last input its state took covers them all (docs/architecture.md, "Risk: takeover")."""
+    events = [ev(i, T0 + 1_000 * i) for i in range(40)]  # one account, one card
+    positions = [(5, 100 + i, 0) for i in range(40)]
+
+    def crash_and_read_again(with_positions: bool) -> tuple[Stage, int]:
+        store: dict[str, bytes] = {}
+        stage = Stage("account", CFG, 8, StateCache(10), lambda key, ctx: store.get(key))
+        res = stage.run([(new_item(dict(e), "v", T0, T0), None) for e in events], positions)
+        assert res.reread == 0 and len(res.forward[("card", partition_for("c1", 8))]) == 40
+        store["a1"] = res.dirty["a1"][0].dumps()  # the state reached the store; the commit did not
+        again = Stage("account", CFG, 8, StateCache(10), lambda key, ctx: store.get(key))
+        res = again.run(
+            [(new_item(dict(e), "v", T0, T0), None) for e in events], positions if with_positions else None
+        )
+        return again, sum(len(items) for items in res.forward.values()) + len(res.late)
+
+    stage, repeated = crash_and_read_again(with_positions=True)
+    assert repeated == 0  # every one skipped: no repeat that counts an event twice or calls it late
+    nxt = stage.run([(new_item(ev(40, T0 + 40_000), "v", T0, T0), None)], [(5, 140, 0)])
+    assert nxt.reread == 0
+    assert full_features(nxt.forward[("card", partition_for("c1", 8))][0]["f"])["account_count_1h"] == 40
+    # by event id alone, the 24 events older than the entity's last 16 come again, late (more than the
+    # grace behind the head the first reading left) or counted twice, and as each is remembered it
+    # pushes one of the 16 out: all 40 come again
+    _, repeated = crash_and_read_again(with_positions=False)
+    assert repeated == 40
+    # a position on another partition says nothing about this one (ids hash to one partition, but a
+    # state restored into a topic with another partition count must not drop its input)
+    other = stage.run([(new_item(ev(41, T0 + 41_000), "v", T0, T0), None)], [(6, 0, 0)])
+    assert other.reread == 0 and other.duplicates == 0
+
+
 def test_state_cache_is_an_lru() -> None:
     c = StateCache(2)
     a, b, d = (EntityState(SPECS["ip"], CFG) for _ in range(3))

@@ -10,6 +10,8 @@ in 2 of 8 runs of this test's first half and 1 of 2 of the whole test) nor write
 from __future__ import annotations
 
 import asyncio
+import shutil
+import time
 from typing import Any
 
 import pytest
@@ -17,7 +19,7 @@ import pytest
 from agents.risk import ensure_risk_topics
 from pipeline.risk.simulate import SimConfig, as_event, disorder, simulate
 from pipeline.riskops import RISK_READY
-from tests.test_risk_integration import assert_all_decided_as_recomputed, risk_client
+from tests.test_risk_integration import assert_all_decided_as_recomputed, event, risk_client
 
 pytestmark = pytest.mark.integration
 
@@ -87,3 +89,44 @@ async def test_sigterm_under_load_drains_commits_and_repeats_no_decision(deploym
     assert in_flight > 0, "nothing was in flight at the SIGTERM"
     report = await assert_all_decided_as_recomputed(d, c, futs)
     assert report["repeated_decisions"] == 0, report
+
+
+async def test_a_sigkill_before_the_commit_reads_more_than_the_dedup_window_again_and_counts_it_once(
+    deployment: Any,
+) -> None:
+    """Killed after its states reached the changelog and before its offsets were committed, a worker
+    leaves its successor every record since the last commit to read again: far more, for a busy
+    entity, than the 16 event ids it remembers. Each stage skips what its entity's position says it
+    took (docs/architecture.md, "Risk: takeover"): no event counted twice, none called late, no
+    decision repeated with other features."""
+    # no commit within the test: the successor reads everything again
+    d = deployment(commit_interval_ms=60_000)
+    await ensure_risk_topics(d.settings)
+    first = d.worker(role="risk", wait=False)
+    await asyncio.to_thread(first.wait_ready, RISK_READY, 180)
+    c = await risk_client(d)
+    t0 = (int(time.time() * 1000) // 60_000 - 30) * 60_000
+    # one account, card, device and ip, 40 events a second apart: every stage's entity takes all 40
+    events = [
+        event(f"burst-{i}", "acct-hot", t0 + 1_000 * i, device="dev-hot", ip="10.9.9.9", amount=3.0 + i)
+        for i in range(40)
+    ]
+    futs = {e["event_id"]: await c.send(e) for e in events}
+    await c.producer.flush()
+    await asyncio.wait_for(asyncio.gather(*futs.values()), 60)
+    while (await asyncio.to_thread(first.status))["unacked_by_partition"]:  # noqa: ASYNC110
+        await asyncio.sleep(0.1)  # every state written and on the changelog, nothing committed
+    first.kill()  # SIGKILL
+    shutil.rmtree(d.env["SURGE_DATA_DIR"], ignore_errors=True)  # the states come from the changelog
+    second = d.worker(role="risk", wait=False)
+    await asyncio.to_thread(second.wait_ready, RISK_READY, 180)
+    last = event("burst-40", "acct-hot", t0 + 40_000, device="dev-hot", ip="10.9.9.9", amount=43.0)
+    futs[last["event_id"]] = await c.send(last)
+    await c.producer.flush()
+    decision = await asyncio.wait_for(futs[last["event_id"]], 60)
+    for kind in ("account", "card", "device", "ip"):  # the 40 before it, each once
+        assert decision.features[f"{kind}_count_1h"] == 40, decision.features
+    report = await assert_all_decided_as_recomputed(d, c, futs)  # and no repeat that differs
+    status = await asyncio.to_thread(second.status)
+    assert status["reread_skipped"] == 4 * 40, status  # each stage read its 40 again and skipped them
+    assert report["missing"] == 0

@@ -1,8 +1,8 @@
 """One risk worker through three phases, with its garbage-collection pauses: an A/B of two checkouts.
 
 ``python -m pipeline.devtools.risk_phases [--pre N] [--capacity N] [--low N] [--rate R] [--simulate N]
-[--json P]``
-starts a broker and one ``surge worker --role risk`` and sends ``surge bench risk``'s simulated stream:
+[--workers N] [--json P]``
+starts a broker and one ``surge worker --role risk`` (or ``--workers`` of them) and sends ``surge bench risk``'s simulated stream:
 
 1. ``--pre`` events as a backlog, waited for: the entity state a worker holds after a while;
 2. ``--capacity`` events as fast as possible: the events/s it drains;
@@ -56,6 +56,7 @@ def run_phases(
     rate: float,
     broker: EmbeddedKafka | None = None,
     simulate: int | None = None,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """The three phases on a fresh deployment (and a broker of its own unless ``broker`` is given).
     ``simulate``: events the stream is simulated for (its customers and days grow with it), the
@@ -76,8 +77,13 @@ def run_phases(
             from agents.risk import ensure_risk_topics
 
             await ensure_risk_topics(settings)
-            w = d.worker(role="risk", wait=False)
-            await asyncio.to_thread(w.wait_ready, RISK_READY, 240)
+            started = [
+                d.worker(role="risk", wait=False, worker_id=f"w{i}", data_dir=str(d.tmp / f"data-w{i}"))
+                for i in range(workers)
+            ]
+            for one in started:
+                await asyncio.to_thread(one.wait_ready, RISK_READY, 240)
+            w = started[0]
             collector = rb.Collector(env.bootstrap, d.topics.risk_decisions)
             await collector.start()
             producer = AIOKafkaProducer(bootstrap_servers=env.bootstrap, acks="all", linger_ms=2)
@@ -88,6 +94,8 @@ def run_phases(
                 for name, evs, at in zip(("pre", "capacity", "low"), phases, (None, None, rate), strict=True):
                     if name == "low":
                         gc_before = _gc2(scrape(w.metrics()))
+                        if workers > 1:  # every worker's share of the partitions settled
+                            await asyncio.sleep(1)
                     print(f"risk phases: {name}, {len(evs)} events", file=sys.stderr)
                     t = time.monotonic()
                     await rb.send_events(producer, topic, evs, at)
@@ -104,6 +112,7 @@ def run_phases(
                 await producer.stop()
                 await collector.stop()
             return {
+                "workers": workers,
                 "simulated": total,
                 "pre": pre,
                 "capacity_events": capacity,
@@ -111,6 +120,7 @@ def run_phases(
                 "low_events": low,
                 "low_decided": len(lat),
                 "low_rate": rate,
+                "low_seconds": round(seconds[2], 1),
                 **{f"low_p{int(q * 100)}_ms": _quantile(lat, q) for q in (0.5, 0.9, 0.99)},
                 "gc2_count_low": gc_after[0] - gc_before[0],
                 "gc2_seconds_low": round(gc_after[1] - gc_before[1], 3),
@@ -133,9 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         default=245_000,
         help="events the stream is simulated for (245,000: the world of surge bench risk)",
     )
+    p.add_argument("--workers", type=int, default=1, help="risk workers, each with its own store")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     a = p.parse_args(argv)
-    result = run_phases(a.pre, a.capacity, a.low, a.rate, simulate=a.simulate)
+    result = run_phases(a.pre, a.capacity, a.low, a.rate, simulate=a.simulate, workers=a.workers)
     line = json.dumps(result)
     print(f"RESULT {line}", flush=True)
     if a.json is not None:

@@ -100,10 +100,13 @@ class EntityState:
     dozens of sets and lists (a full collection stopped the event loop for about 0.4 s each with sets;
     docs/architecture.md, "Risk: features")."""
 
-    __slots__ = ("head", "recent", "seen", "tiles")
+    __slots__ = ("head", "pos", "recent", "seen", "tiles")
 
     def __init__(self, spec: EntitySpec, cfg: FeatureConfig) -> None:
         self.head: int | None = None
+        #: where the last input this state took came from: (partition, offset, index in the record);
+        #: set by the online stages (pipeline/risk/stages.py, ``Stage.run``), None offline
+        self.pos: tuple[int, int, int] | None = None
         #: per window: {tile index: (count, cents, small, (values of distinct field 0), ...)}
         self.tiles: list[dict[int, tuple[Any, ...]]] = [{} for _ in WINDOWS]
         self.seen: dict[str, tuple[str, ...]] = dict.fromkeys(spec.seen, ())
@@ -111,13 +114,15 @@ class EntityState:
 
     def dumps(self) -> bytes:
         """Compact JSON bytes (what the RocksDB table and its changelog hold): ``{"h": head, "t": per
-        window [[tile index, [count, cents, small, [values], ...]], ...], "s": seen, "r": recent ids}``."""
+        window [[tile index, [count, cents, small, [values], ...]], ...], "s": seen, "r": recent ids,
+        "p": [partition, offset, index] of the last input taken, or null}``."""
         return jsonio.dumps(
             {
                 "h": self.head,
                 "t": [list(ts.items()) for ts in self.tiles],
                 "s": self.seen,
                 "r": list(self.recent),
+                "p": self.pos,
             }
         )
 
@@ -129,6 +134,8 @@ class EntityState:
         st.tiles = [{idx: (t[0], t[1], t[2], *map(tuple, t[3:])) for idx, t in ts} for ts in obj["t"]]
         st.seen = {f: tuple(obj["s"].get(f, ())) for f in spec.seen}
         st.recent.extend(obj["r"])
+        pos = obj.get("p")  # absent in states written before positions were kept
+        st.pos = (pos[0], pos[1], pos[2]) if pos else None
         return st
 
 

@@ -34,6 +34,8 @@ from pipeline.risk.records import ENTITY_KINDS
 
 #: the kinds that are reached through a repartition topic
 REKEYED_KINDS: tuple[str, ...] = ENTITY_KINDS[1:]
+#: where a stage read an item: (partition, offset of its record, index of the item in that record)
+Position = tuple[int, int, int]
 
 
 class RepartitionRecordError(SurgeError):
@@ -170,7 +172,10 @@ class StageResult:
     late: list[tuple[dict[str, Any], int, Any]] = field(default_factory=list)
     #: changed states to write once the outputs are on the broker: key → (state, context)
     dirty: dict[str, tuple[EntityState, Any]] = field(default_factory=dict)
+    #: items skipped as seen before: by event id (a repeat sent again upstream) or by position
     duplicates: int = 0
+    #: of those, items at or before their entity's position: input read again after a crash
+    reread: int = 0
 
 
 class Stage:
@@ -205,19 +210,37 @@ class Stage:
             self.cache.put(key, st)
         return st
 
-    def run(self, batch: Sequence[tuple[dict[str, Any], Any]]) -> StageResult:
-        """Step every item of ``batch`` (in order) through its entity's state."""
+    def run(
+        self, batch: Sequence[tuple[dict[str, Any], Any]], positions: Sequence[Position] | None = None
+    ) -> StageResult:
+        """Step every item of ``batch`` (in order) through its entity's state.
+
+        ``positions``: where each item was read, ``(partition, offset, index in the record)``. All of
+        an entity's input comes from one partition of one topic (the one its id hashes to), in offset
+        order, so an item at or before the position its state last took was taken already: input read
+        again after a crash, from the last committed offset, is skipped whatever its length (the event
+        ids an entity remembers cover only a repeat sent again upstream;
+        docs/architecture.md, "Risk: takeover")."""
         out = StageResult()
         kind = self.kind
-        for item, ctx in batch:
+        for i, (item, ctx) in enumerate(batch):
             ev = item["e"]
             key = ev[kind]
             dirty = out.dirty.get(key)
             st = dirty[0] if dirty is not None else self.state(key, ctx)
+            pos = positions[i] if positions is not None else None
+            if pos is not None:
+                last = st.pos
+                if last is not None and last[0] == pos[0] and pos <= last:
+                    out.duplicates += 1
+                    out.reread += 1
+                    continue
             res = step(self.spec, self.cfg, st, ev)
             if res.status == DUP:
                 out.duplicates += 1
                 continue
+            if pos is not None:
+                st.pos = pos
             out.dirty[key] = (st, ctx)
             if res.status == LATE:
                 out.late.append((item, res.watermark_ms or 0, ctx))
