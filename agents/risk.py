@@ -49,7 +49,7 @@ from pipeline.risk.records import (
     decode_event,
     salvage_event_ids,
 )
-from pipeline.risk.rules import DEFAULT_RULES, RuleBook, RuleError, RuleSet
+from pipeline.risk.rules import DEFAULT_RULES, RuleBook, RuleSet
 from pipeline.risk.stages import (
     REKEYED_KINDS,
     Position,
@@ -64,6 +64,7 @@ from pipeline.risk.stages import (
     partition_for,
     unpack,
 )
+from pipeline.risk_client import publish_rules
 from pipeline.settings import Settings
 
 log = logging.getLogger("surge.risk")
@@ -255,19 +256,23 @@ class RiskAgents:
             buffer.clear()
 
     # ---- rules -------------------------------------------------------------------------------------
-    def apply_rule_record(self, key: bytes | None, value: bytes | None) -> None:
-        try:
-            rs = self.book.apply(key, value)
-        except RuleError as exc:
+    def apply_rule_records(self, records: list[tuple[bytes | None, bytes | None]]) -> None:
+        """Records of the rules topic read together: one change, one new version."""
+        before = self.book.current
+        rs, errors = self.book.apply_many(records)
+        for exc in errors:
             log.error("%s; the rule keeps its previous version", exc.message)
-            return
-        self._rules_changed.set()
-        self._rules_changed = asyncio.Event()
-        log.info("risk rules now %s (%d rules)", rs.version, len(rs))
+        if rs is not before:
+            self._rules_changed.set()
+            self._rules_changed = asyncio.Event()
+            log.info("risk rules now %s (%d rules)", rs.version, len(rs))
 
     async def read_rules(self) -> None:
-        """Keep the rule book equal to ``surge.risk.rules`` (every partition, from the beginning)."""
-        from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+        """Keep the rule book equal to ``surge.risk.rules`` (every partition, from the beginning,
+        committed records only), and publish the default rules if the topic holds none: in one
+        transaction whose id every worker of the deployment shares, so workers starting together
+        publish one set between them (pipeline/risk_client.py, ``publish_rules``)."""
+        from aiokafka import AIOKafkaConsumer, TopicPartition
 
         topic = self.rt.topics.risk_rules
         opts = client_options(self.s)
@@ -275,6 +280,7 @@ class RiskAgents:
             bootstrap_servers=self.s.bootstrap_servers,
             enable_auto_commit=False,
             fetch_max_wait_ms=100,
+            isolation_level="read_committed",
             **opts,
         )
         await consumer.start()
@@ -284,32 +290,42 @@ class RiskAgents:
             consumer.assign(tps)
             await consumer.seek_to_beginning(*tps)
             end = await consumer.end_offsets(tps)
-            if not any(end.values()) and self.s.risk_publish_default_rules:
-                producer = AIOKafkaProducer(bootstrap_servers=self.s.bootstrap_servers, acks="all", **opts)
-                await producer.start()
-                try:
-                    for rule in DEFAULT_RULES:
-                        await producer.send_and_wait(
-                            topic, key=rule.rule_id.encode(), value=rule.model_dump_json().encode()
-                        )
-                finally:
-                    await producer.stop()
-                log.info("surge.risk.rules was empty: published the %d default rules", len(DEFAULT_RULES))
-                end = await consumer.end_offsets(tps)
+            read = 0  # committed records read, tombstones included
             while True:
                 batch = await consumer.getmany(timeout_ms=200)
-                for records in batch.values():
-                    for rec in records:
-                        self.apply_rule_record(rec.key, rec.value)
-                if not self.rules_ready.is_set():
-                    positions = {tp: await consumer.position(tp) for tp in tps}
-                    if all(positions[tp] >= end[tp] for tp in tps):
-                        self.rules_ready.set()
-                        print(
-                            f"surge risk ready: rules {self.book.current.version} ({len(self.book.current)}), "
-                            f"model {self.model.version if self.model else 'off'}",
-                            flush=True,
+                records = [(rec.key, rec.value) for recs in batch.values() for rec in recs]
+                if records:
+                    read += len(records)
+                    self.apply_rule_records(records)
+                if self.rules_ready.is_set():
+                    continue
+                positions = {tp: await consumer.position(tp) for tp in tps}
+                if not all(positions[tp] >= end[tp] for tp in tps):
+                    continue
+                if read == 0 and self.s.risk_publish_default_rules:
+                    # empty (or holding only aborted records): publish, or let the worker that
+                    # fenced us publish, then read on to the new end
+                    if await publish_rules(
+                        self.s.bootstrap_servers,
+                        topic,
+                        DEFAULT_RULES,
+                        transactional_id=f"{self.s.app_id}-risk-default-rules",
+                        options=opts,
+                        only_if_empty=True,
+                    ):
+                        log.info(
+                            "surge.risk.rules was empty: published the %d default rules", len(DEFAULT_RULES)
                         )
+                    else:
+                        await asyncio.sleep(0.2)
+                    end = await consumer.end_offsets(tps)
+                    continue
+                self.rules_ready.set()
+                print(
+                    f"surge risk ready: rules {self.book.current.version} ({len(self.book.current)}), "
+                    f"model {self.model.version if self.model else 'off'}",
+                    flush=True,
+                )
         finally:
             await consumer.stop()
 

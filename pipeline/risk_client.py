@@ -12,12 +12,14 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
+import uuid
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import ProducerFenced
 
-from pipeline.client import ReplyClient
+from pipeline.client import ReplyClient, partitions_of
 from pipeline.risk.records import RiskDecision
 from pipeline.risk.rules import Rule
 
@@ -40,6 +42,8 @@ class RiskClient(ReplyClient[RiskDecision]):
         client_options: dict[str, Any] | None = None,
     ) -> None:
         opts = client_options or {}
+        self.bootstrap = bootstrap
+        self.options = opts
         super().__init__(
             AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=1, **opts),
             AIOKafkaConsumer(
@@ -95,16 +99,97 @@ class RiskClient(ReplyClient[RiskDecision]):
         return await asyncio.wait_for(fut, timeout_s)
 
     async def publish_rules(self, rules: Iterable[Rule]) -> None:
-        """Write rules to the rules topic (keyed by rule id)."""
+        """Write rules to the rules topic (keyed by rule id), all in one transaction
+        (:func:`publish_rules`)."""
         if self.rules_topic is None:
             raise RuntimeError("no rules topic given")
-        for rule in rules:
-            await self.producer.send_and_wait(
-                self.rules_topic, key=rule.rule_id.encode(), value=rule.model_dump_json().encode()
-            )
+        await publish_rules(
+            self.bootstrap,
+            self.rules_topic,
+            list(rules),
+            transactional_id=one_off_transactional_id(),
+            options=self.options,
+        )
 
     async def delete_rule(self, rule_id: str) -> None:
         """A tombstone for ``rule_id`` on the rules topic."""
         if self.rules_topic is None:
             raise RuntimeError("no rules topic given")
         await self.producer.send_and_wait(self.rules_topic, key=rule_id.encode(), value=None)
+
+
+def one_off_transactional_id() -> str:
+    """A transactional id for one publication (an operator's command, a client's call)."""
+    return f"surge-rules-{uuid.uuid4().hex}"
+
+
+async def committed_rule_records(bootstrap: str, topic: str, options: dict[str, Any] | None = None) -> int:
+    """How many committed records the rules topic holds, tombstones included (records of aborted or
+    open transactions are not counted: a reader that waits for committed ones never sees them)."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+        **(options or {}),
+    )
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in await partitions_of(consumer, topic, tries=100)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        end = await consumer.end_offsets(tps)
+        n = 0
+        while True:
+            positions = [await consumer.position(tp) for tp in tps]
+            if all(pos >= end[tp] for pos, tp in zip(positions, tps, strict=True)):
+                return n
+            n += sum(len(records) for records in (await consumer.getmany(timeout_ms=200)).values())
+    finally:
+        await consumer.stop()
+
+
+async def publish_rules(
+    bootstrap: str,
+    topic: str,
+    rules: Sequence[Rule],
+    *,
+    transactional_id: str,
+    options: dict[str, Any] | None = None,
+    only_if_empty: bool = False,
+) -> bool:
+    """Write ``rules`` to the rules topic in one Kafka transaction: the risk workers read it with
+    ``read_committed`` and apply what one read brings as one change, so no decision names a version
+    that holds part of the set (docs/architecture.md, "Risk: rules"). Returns whether it was written.
+
+    ``only_if_empty``: write only if the topic holds no committed record, checked once the producer
+    holds ``transactional_id`` (its start aborts an open transaction of an earlier producer of that
+    id and fences it): risk workers starting together on an empty topic share one id, so one set of
+    default rules is published, not one per worker. A producer fenced meanwhile returns False."""
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap,
+        acks="all",
+        enable_idempotence=True,
+        transactional_id=transactional_id,
+        **(options or {}),
+    )
+    await producer.start()
+    try:
+        if only_if_empty and await committed_rule_records(bootstrap, topic, options):
+            return False
+        async with producer.transaction():
+            sent = [
+                await producer.send(topic, key=rule.rule_id.encode(), value=rule.model_dump_json().encode())
+                for rule in rules
+            ]
+            # every delivery awaited: a fenced producer fails them all, and each failure is read
+            failed = [
+                r for r in await asyncio.gather(*sent, return_exceptions=True) if isinstance(r, BaseException)
+            ]
+            if failed:
+                raise failed[0]
+        return True
+    except ProducerFenced:
+        log.info("rules publication %s fenced by another producer of the same id", transactional_id)
+        return False
+    finally:
+        await producer.stop()

@@ -217,15 +217,16 @@ def cmd_rules(args: argparse.Namespace) -> int:
     topic = TopicNames(s.topic_prefix).risk_rules
 
     async def publish(rules: list[Rule]) -> None:
-        from aiokafka import AIOKafkaProducer
+        from pipeline.risk_client import one_off_transactional_id, publish_rules
 
-        p = AIOKafkaProducer(bootstrap_servers=s.bootstrap_servers, acks="all", **client_options(s))
-        await p.start()
-        try:
-            for rule in rules:
-                await p.send_and_wait(topic, key=rule.rule_id.encode(), value=rule.model_dump_json().encode())
-        finally:
-            await p.stop()
+        # one transaction: a worker applies the whole set as one version
+        await publish_rules(
+            s.bootstrap_servers,
+            topic,
+            rules,
+            transactional_id=one_off_transactional_id(),
+            options=client_options(s),
+        )
 
     async def show() -> RuleBook:
         from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -233,7 +234,10 @@ def cmd_rules(args: argparse.Namespace) -> int:
         from pipeline.client import partitions_of
 
         c = AIOKafkaConsumer(
-            bootstrap_servers=s.bootstrap_servers, enable_auto_commit=False, **client_options(s)
+            bootstrap_servers=s.bootstrap_servers,
+            enable_auto_commit=False,
+            isolation_level="read_committed",  # what the workers apply
+            **client_options(s),
         )
         await c.start()
         book = RuleBook()
@@ -247,9 +251,10 @@ def cmd_rules(args: argparse.Namespace) -> int:
                 # a list, not a generator: with an ``await`` in it a generator is asynchronous, and any()
                 # refuses that
                 while any([await c.position(tp) < end[tp] for tp in tps]):
-                    for records in (await c.getmany(timeout_ms=500)).values():
-                        for rec in records:
-                            book.apply(rec.key, rec.value)
+                    batch = await c.getmany(timeout_ms=500)
+                    _, errors = book.apply_many([(r.key, r.value) for recs in batch.values() for r in recs])
+                    for exc in errors:  # left out, as the workers leave them out
+                        print(f"surge risk rules show: {exc.message}", file=sys.stderr)
         finally:
             await c.stop()
         return book

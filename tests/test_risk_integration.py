@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,10 +22,10 @@ from pipeline.devtools.bench.risk_check import check_decisions, read_arrivals
 from pipeline.metrics import scrape
 from pipeline.records import now_ms
 from pipeline.risk.records import RiskDecision
-from pipeline.risk.rules import Rule
+from pipeline.risk.rules import DEFAULT_RULES, Rule, RuleSet
 from pipeline.risk.simulate import SimConfig, as_event, disorder, simulate
 from pipeline.risk.stages import partition_for
-from pipeline.risk_client import RiskClient
+from pipeline.risk_client import RiskClient, committed_rule_records, publish_rules
 from pipeline.riskops import RISK_READY
 
 pytestmark = pytest.mark.integration
@@ -253,6 +256,72 @@ async def test_rule_update_applies_on_every_partition_within_a_second(deployment
         await asyncio.sleep(0.1)
     assert dec.rule_version == before.rule_version and dec.decision == "approve"  # same content, same version
     assert not any(r.startswith("rule big_transfer") for r in dec.reasons)
+
+
+async def test_default_rules_published_once_in_one_transaction_by_workers_starting_together(
+    deployment: Any,
+) -> None:
+    """Risk workers that start together on an empty rules topic publish one set of default rules
+    between them (they share a transactional id), and no reader sees part of a set: each worker's
+    first version is the whole set's (docs/architecture.md, "Risk: rules")."""
+    d = deployment()
+    await ensure_risk_topics(d.settings)
+    topic = d.topics.risk_rules
+    full = RuleSet(DEFAULT_RULES).version
+    # the race itself, on the real broker: two publishers of one id, the topic empty for both
+    tid = f"{d.settings.app_id}-risk-default-rules"
+    outcomes = await asyncio.gather(
+        *(
+            publish_rules(d.bootstrap, topic, DEFAULT_RULES, transactional_id=tid, only_if_empty=True)
+            for _ in "ab"
+        )
+    )
+    assert sorted(outcomes) == [False, True]
+    assert await committed_rule_records(d.bootstrap, topic) == len(DEFAULT_RULES)
+    # and on a second, empty topic, the workers themselves
+    d2 = deployment()
+    await ensure_risk_topics(d2.settings)
+    workers = [
+        d2.worker(role="risk", wait=False, worker_id=name, data_dir=str(d2.tmp / f"data-{name}"))
+        for name in "ab"
+    ]
+    for w in workers:
+        await asyncio.to_thread(w.wait_ready, RISK_READY, 180)
+    assert await committed_rule_records(d2.bootstrap, d2.topics.risk_rules) == len(DEFAULT_RULES)
+    for w in workers:
+        assert (await asyncio.to_thread(w.status))["rules_version"] == full
+        ready = [line for line in w.log_path.read_text().splitlines() if line.startswith("surge risk ready")]
+        assert ready and f"rules {full} ({len(DEFAULT_RULES)})" in ready[0], ready
+
+
+async def test_rules_publish_and_show_from_the_command_line(deployment: Any, tmp_path: Path) -> None:
+    """``surge risk rules publish --file`` writes a set in one transaction; ``show`` reads the
+    committed records as a worker does, leaving a bad record out with a message."""
+    d = deployment()
+    await ensure_risk_topics(d.settings)
+    env = {**os.environ, **d.env}
+    rules = [r.model_dump(mode="json") for r in DEFAULT_RULES[:3]]
+    (tmp_path / "rules.json").write_text(json.dumps(rules))
+
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "pipeline.cli", "risk", "rules", *argv],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    published = await asyncio.to_thread(cli, "publish", "--file", str(tmp_path / "rules.json"))
+    assert published.returncode == 0, published.stderr
+    c = await risk_client(d)
+    await c.producer.send_and_wait(d.topics.risk_rules, key=b"broken", value=b"{}")
+    shown = await asyncio.to_thread(cli, "show")
+    assert shown.returncode == 0, shown.stderr
+    out = json.loads(shown.stdout)
+    assert out["version"] == RuleSet(DEFAULT_RULES[:3]).version
+    assert [r["rule_id"] for r in out["rules"]] == [r["rule_id"] for r in rules]
+    assert "broken" in shown.stderr
 
 
 async def test_sigkill_under_load_then_recovery_from_the_changelog(deployment: Any, tmp_path: Path) -> None:

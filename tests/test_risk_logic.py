@@ -437,6 +437,22 @@ def test_rule_book_applies_updates_and_tombstones_and_keeps_history() -> None:
     assert book.get(v0) is None  # only the last three versions are kept
 
 
+def test_rule_records_read_together_make_one_version_and_a_bad_one_is_left_out() -> None:
+    book = RuleBook()
+    records: list[tuple[bytes | None, bytes | None]] = [
+        (r.rule_id.encode(), r.model_dump_json().encode()) for r in DEFAULT_RULES
+    ]
+    rs, errors = book.apply_many([*records[:2], (b"bad", b"{}"), *records[2:]])
+    assert [e.rule_id for e in errors] == ["bad"]
+    assert rs is book.current and rs.version == RuleSet(DEFAULT_RULES).version
+    # one change: no version holding part of the set was ever current (a decision could name one)
+    assert [
+        v for v in (book.get(RuleSet(DEFAULT_RULES[:k]).version) for k in range(1, len(DEFAULT_RULES))) if v
+    ] == []
+    same, errors = book.apply_many([(b"nothing_here", None)])
+    assert same is rs and errors == []
+
+
 def test_rules_fire_with_the_values_that_made_them_fire() -> None:
     rs = RuleSet(DEFAULT_RULES)
     f = dict.fromkeys(ALL_FEATURES)

@@ -198,16 +198,36 @@ class RuleBook:
     def apply(self, key: bytes | str | None, value: bytes | None) -> RuleSet:
         """Apply one record of the rules topic; returns the new current set. Raises :class:`RuleError`
         for a bad record (the book is then unchanged)."""
-        rule = parse_rule(key, value)
-        if rule is None:
-            rid = key.decode() if isinstance(key, bytes) else key
-            if rid is None or rid not in self._rules:
-                return self.current
-            del self._rules[rid]
-        else:
-            self._rules[rule.rule_id] = rule
-        self.current = self._remember(RuleSet(self._rules.values()))
-        return self.current
+        rs, errors = self.apply_many([(key, value)])
+        if errors:
+            raise errors[0]
+        return rs
+
+    def apply_many(
+        self, records: Iterable[tuple[bytes | str | None, bytes | None]]
+    ) -> tuple[RuleSet, list[RuleError]]:
+        """Apply records read together, in order, as one change: one new version for all of them (a
+        rule set published in one transaction arrives in one read, and no decision should name half
+        of it). A bad record is left out and returned; the book keeps that rule's previous version."""
+        errors: list[RuleError] = []
+        changed = False
+        for key, value in records:
+            try:
+                rule = parse_rule(key, value)
+            except RuleError as exc:
+                errors.append(exc)
+                continue
+            if rule is None:
+                rid = key.decode() if isinstance(key, bytes) else key
+                if rid is None or rid not in self._rules:
+                    continue
+                del self._rules[rid]
+            else:
+                self._rules[rule.rule_id] = rule
+            changed = True
+        if changed:
+            self.current = self._remember(RuleSet(self._rules.values()))
+        return self.current, errors
 
     def get(self, version: str) -> RuleSet | None:
         """The rule set of ``version``, if this book has seen it recently."""
