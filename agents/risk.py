@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, cast
 
 import faust
+from aiokafka.errors import KafkaError
 from faust.types import TP, EventT, StoreT, TableT
 
 from agents.acks import SendGroup, Ticket, report_stuck, stuck_after_s
@@ -269,9 +270,8 @@ class RiskAgents:
 
     async def read_rules(self) -> None:
         """Keep the rule book equal to ``surge.risk.rules`` (every partition, from the beginning,
-        committed records only), and publish the default rules if the topic holds none: in one
-        transaction whose id every worker of the deployment shares, so workers starting together
-        publish one set between them (pipeline/risk_client.py, ``publish_rules``)."""
+        committed records only), and publish the default rules, in one transaction, if the topic
+        holds none (pipeline/risk_client.py, ``publish_rules``)."""
         from aiokafka import AIOKafkaConsumer, TopicPartition
 
         topic = self.rt.topics.risk_rules
@@ -303,21 +303,19 @@ class RiskAgents:
                 if not all(positions[tp] >= end[tp] for tp in tps):
                     continue
                 if read == 0 and self.s.risk_publish_default_rules:
-                    # empty (or holding only aborted records): publish, or let the worker that
-                    # fenced us publish, then read on to the new end
-                    if await publish_rules(
-                        self.s.bootstrap_servers,
-                        topic,
-                        DEFAULT_RULES,
-                        transactional_id=f"{self.s.app_id}-risk-default-rules",
-                        options=opts,
-                        only_if_empty=True,
-                    ):
-                        log.info(
-                            "surge.risk.rules was empty: published the %d default rules", len(DEFAULT_RULES)
-                        )
-                    else:
-                        await asyncio.sleep(0.2)
+                    # empty (or holding only aborted records): publish, unless another worker
+                    # has meanwhile, then read on to the new end
+                    try:
+                        if await publish_rules(
+                            self.s.bootstrap_servers, topic, DEFAULT_RULES, options=opts, only_if_empty=True
+                        ):
+                            log.info(
+                                "surge.risk.rules was empty: published the %d default rules",
+                                len(DEFAULT_RULES),
+                            )
+                    except KafkaError as exc:
+                        log.warning("publishing the default rules failed (%r); trying again", exc)
+                        await asyncio.sleep(1.0)
                     end = await consumer.end_offsets(tps)
                     continue
                 self.rules_ready.set()
@@ -547,7 +545,7 @@ class RiskAgents:
                 positions += [(msg.partition, msg.offset, i) for i in range(len(items))]
         if self.rt.acker.generation != generation:
             return futures, []
-        res = self.stages[kind].run(batch, positions)
+        res = self.stages[kind].run(batch, positions, self._ends(events))
         self.reread_skipped += res.reread
         futures += await self._emit(res)
         if self.rt.acker.generation != generation:
@@ -559,6 +557,19 @@ class RiskAgents:
             writes.append((key, data, ctx))
         self._count_cache(kind)
         return futures, writes
+
+    def _ends(self, events: Sequence[EventT]) -> dict[int, int]:
+        """The end offset (high watermark) of each partition ``events`` came from, where the consumer
+        knows it: a state's position past it is from an earlier incarnation of the topic."""
+        consumer = self.rt.app.consumer
+        ends: dict[int, int] = {}
+        for ev in events:
+            msg = ev.message
+            if msg.partition not in ends:
+                end = consumer.highwater(TP(msg.topic, msg.partition))
+                if end is not None:
+                    ends[msg.partition] = end
+        return ends
 
     def _count_cache(self, kind: str) -> None:
         c = self.caches[kind]

@@ -17,13 +17,15 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.errors import ProducerFenced
 
 from pipeline.client import ReplyClient, partitions_of
 from pipeline.risk.records import RiskDecision
 from pipeline.risk.rules import Rule
 
 log = logging.getLogger("surge.risk.client")
+
+#: how long a rules transaction left open (its publisher crashed) holds back the workers' reads
+RULES_TRANSACTION_TIMEOUT_MS = 10_000
 
 
 class RiskClient(ReplyClient[RiskDecision]):
@@ -103,24 +105,13 @@ class RiskClient(ReplyClient[RiskDecision]):
         (:func:`publish_rules`)."""
         if self.rules_topic is None:
             raise RuntimeError("no rules topic given")
-        await publish_rules(
-            self.bootstrap,
-            self.rules_topic,
-            list(rules),
-            transactional_id=one_off_transactional_id(),
-            options=self.options,
-        )
+        await publish_rules(self.bootstrap, self.rules_topic, list(rules), options=self.options)
 
     async def delete_rule(self, rule_id: str) -> None:
         """A tombstone for ``rule_id`` on the rules topic."""
         if self.rules_topic is None:
             raise RuntimeError("no rules topic given")
         await self.producer.send_and_wait(self.rules_topic, key=rule_id.encode(), value=None)
-
-
-def one_off_transactional_id() -> str:
-    """A transactional id for one publication (an operator's command, a client's call)."""
-    return f"surge-rules-{uuid.uuid4().hex}"
 
 
 async def committed_rule_records(bootstrap: str, topic: str, options: dict[str, Any] | None = None) -> int:
@@ -153,7 +144,6 @@ async def publish_rules(
     topic: str,
     rules: Sequence[Rule],
     *,
-    transactional_id: str,
     options: dict[str, Any] | None = None,
     only_if_empty: bool = False,
 ) -> bool:
@@ -162,14 +152,17 @@ async def publish_rules(
     that holds part of the set (docs/architecture.md, "Risk: rules"). Returns whether it was written.
 
     ``only_if_empty``: write only if the topic holds no committed record, checked once the producer
-    holds ``transactional_id`` (its start aborts an open transaction of an earlier producer of that
-    id and fences it): risk workers starting together on an empty topic share one id, so one set of
-    default rules is published, not one per worker. A producer fenced meanwhile returns False."""
+    is ready (workers starting together on an empty topic: each publishes only if none has yet; two
+    that check at the same moment both publish the same whole set, which reads as one version). The
+    transactional id is this call's own (``surge-rules-<uuid>``): producers sharing one fence each
+    other, which leaves the fenced one's futures failed and unread. A transaction left open by a
+    crash holds back readers for at most ``RULES_TRANSACTION_TIMEOUT_MS``."""
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap,
         acks="all",
         enable_idempotence=True,
-        transactional_id=transactional_id,
+        transactional_id=f"surge-rules-{uuid.uuid4().hex}",
+        transaction_timeout_ms=RULES_TRANSACTION_TIMEOUT_MS,
         **(options or {}),
     )
     await producer.start()
@@ -181,15 +174,12 @@ async def publish_rules(
                 await producer.send(topic, key=rule.rule_id.encode(), value=rule.model_dump_json().encode())
                 for rule in rules
             ]
-            # every delivery awaited: a fenced producer fails them all, and each failure is read
+            # every delivery awaited, so a failure is raised here (and the transaction aborted)
             failed = [
                 r for r in await asyncio.gather(*sent, return_exceptions=True) if isinstance(r, BaseException)
             ]
             if failed:
                 raise failed[0]
         return True
-    except ProducerFenced:
-        log.info("rules publication %s fenced by another producer of the same id", transactional_id)
-        return False
     finally:
         await producer.stop()

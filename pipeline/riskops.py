@@ -217,16 +217,10 @@ def cmd_rules(args: argparse.Namespace) -> int:
     topic = TopicNames(s.topic_prefix).risk_rules
 
     async def publish(rules: list[Rule]) -> None:
-        from pipeline.risk_client import one_off_transactional_id, publish_rules
+        from pipeline.risk_client import publish_rules
 
         # one transaction: a worker applies the whole set as one version
-        await publish_rules(
-            s.bootstrap_servers,
-            topic,
-            rules,
-            transactional_id=one_off_transactional_id(),
-            options=client_options(s),
-        )
+        await publish_rules(s.bootstrap_servers, topic, rules, options=client_options(s))
 
     async def show() -> RuleBook:
         from aiokafka import AIOKafkaConsumer, TopicPartition

@@ -22,7 +22,7 @@ record's produce time and ``rx`` when the account stage read it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -211,7 +211,10 @@ class Stage:
         return st
 
     def run(
-        self, batch: Sequence[tuple[dict[str, Any], Any]], positions: Sequence[Position] | None = None
+        self,
+        batch: Sequence[tuple[dict[str, Any], Any]],
+        positions: Sequence[Position] | None = None,
+        ends: Mapping[int, int] | None = None,
     ) -> StageResult:
         """Step every item of ``batch`` (in order) through its entity's state.
 
@@ -220,7 +223,12 @@ class Stage:
         order, so an item at or before the position its state last took was taken already: input read
         again after a crash, from the last committed offset, is skipped whatever its length (the event
         ids an entity remembers cover only a repeat sent again upstream;
-        docs/architecture.md, "Risk: takeover")."""
+        docs/architecture.md, "Risk: takeover").
+
+        ``ends``: each input partition's end offset as the reader last saw it. A state's position at
+        or past its partition's end was left by an earlier incarnation of the topic (deleted and
+        created again while the state stayed): it is ignored rather than taken to mean that every
+        new record was read before, which would leave those events without a decision."""
         out = StageResult()
         kind = self.kind
         for i, (item, ctx) in enumerate(batch):
@@ -232,9 +240,11 @@ class Stage:
             if pos is not None:
                 last = st.pos
                 if last is not None and last[0] == pos[0] and pos <= last:
-                    out.duplicates += 1
-                    out.reread += 1
-                    continue
+                    end = ends.get(pos[0]) if ends is not None else None
+                    if end is None or last[1] < end:
+                        out.duplicates += 1
+                        out.reread += 1
+                        continue
             res = step(self.spec, self.cfg, st, ev)
             if res.status == DUP:
                 out.duplicates += 1
