@@ -545,7 +545,7 @@ class RiskAgents:
                 positions += [(msg.partition, msg.offset, i) for i in range(len(items))]
         if self.rt.acker.generation != generation:
             return futures, []
-        res = self.stages[kind].run(batch, positions, self._ends(events))
+        res = self.stages[kind].run(batch, positions, self._end_of(events[0].message.topic))
         self.reread_skipped += res.reread
         futures += await self._emit(res)
         if self.rt.acker.generation != generation:
@@ -558,18 +558,15 @@ class RiskAgents:
         self._count_cache(kind)
         return futures, writes
 
-    def _ends(self, events: Sequence[EventT]) -> dict[int, int]:
-        """The end offset (high watermark) of each partition ``events`` came from, where the consumer
-        knows it: a state's position past it is from an earlier incarnation of the topic."""
+    def _end_of(self, topic: str) -> Callable[[int], int | None]:
+        """The end offset (high watermark) of a partition of ``topic`` as the consumer last saw it: a
+        state's position past it is from an earlier incarnation of the topic."""
         consumer = self.rt.app.consumer
-        ends: dict[int, int] = {}
-        for ev in events:
-            msg = ev.message
-            if msg.partition not in ends:
-                end = consumer.highwater(TP(msg.topic, msg.partition))
-                if end is not None:
-                    ends[msg.partition] = end
-        return ends
+
+        def end_of(partition: int) -> int | None:
+            return cast(int | None, consumer.highwater(TP(topic, partition)))
+
+        return end_of
 
     def _count_cache(self, kind: str) -> None:
         c = self.caches[kind]

@@ -366,10 +366,10 @@ def test_input_read_again_after_a_crash_is_skipped_by_position_whatever_its_leng
     assert repeated == 40
     # a position at or past its partition's end is from an earlier incarnation of the topic (deleted
     # and created again while the state stayed): new records at low offsets are taken, not skipped
-    fresh = stage.run([(new_item(ev(42, T0 + 42_000), "v", T0, T0), None)], [(5, 3, 0)], ends={5: 10})
+    fresh = stage.run([(new_item(ev(42, T0 + 42_000), "v", T0, T0), None)], [(5, 3, 0)], {5: 10}.get)
     assert fresh.reread == 0 and len(fresh.forward[("card", partition_for("c1", 8))]) == 1
     # while the topic still reaches past the position, the same offset is one read again
-    again = stage.run([(new_item(ev(43, T0 + 43_000), "v", T0, T0), None)], [(5, 3, 0)], ends={5: 141})
+    again = stage.run([(new_item(ev(43, T0 + 43_000), "v", T0, T0), None)], [(5, 3, 0)], {5: 141}.get)
     assert again.reread == 1 and not again.forward
     # a position on another partition says nothing about this one (ids hash to one partition, but a
     # state restored into a topic with another partition count must not drop its input)

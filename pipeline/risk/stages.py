@@ -22,7 +22,7 @@ record's produce time and ``rx`` when the account stage read it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -214,7 +214,7 @@ class Stage:
         self,
         batch: Sequence[tuple[dict[str, Any], Any]],
         positions: Sequence[Position] | None = None,
-        ends: Mapping[int, int] | None = None,
+        end_of: Callable[[int], int | None] | None = None,
     ) -> StageResult:
         """Step every item of ``batch`` (in order) through its entity's state.
 
@@ -225,10 +225,11 @@ class Stage:
         ids an entity remembers cover only a repeat sent again upstream;
         docs/architecture.md, "Risk: takeover").
 
-        ``ends``: each input partition's end offset as the reader last saw it. A state's position at
-        or past its partition's end was left by an earlier incarnation of the topic (deleted and
-        created again while the state stayed): it is ignored rather than taken to mean that every
-        new record was read before, which would leave those events without a decision."""
+        ``end_of(partition)``: that input partition's end offset as the reader last saw it (asked
+        only when an item would be skipped). A state's position at or past its partition's end was
+        left by an earlier incarnation of the topic (deleted and created again while the state
+        stayed): it is ignored rather than taken to mean that every new record was read before,
+        which would leave those events without a decision."""
         out = StageResult()
         kind = self.kind
         for i, (item, ctx) in enumerate(batch):
@@ -240,7 +241,7 @@ class Stage:
             if pos is not None:
                 last = st.pos
                 if last is not None and last[0] == pos[0] and pos <= last:
-                    end = ends.get(pos[0]) if ends is not None else None
+                    end = end_of(pos[0]) if end_of is not None else None
                     if end is None or last[1] < end:
                         out.duplicates += 1
                         out.reread += 1
