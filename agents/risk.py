@@ -223,6 +223,8 @@ class RiskAgents:
         self.decided = 0
         #: items skipped because their entity had taken them before a crash (input read again)
         self.reread_skipped = 0
+        #: items skipped because an upstream stage sent them again (it died before writing its state)
+        self.resent_skipped = 0
         #: settle tasks still waiting for the broker to acknowledge their batch's outputs
         self.sending: dict[asyncio.Future[None], SendGroup] = {}
         #: batches reported as stuck in the producer (report_stuck_sends)
@@ -547,6 +549,7 @@ class RiskAgents:
             return futures, []
         res = self.stages[kind].run(batch, positions, self._end_of(events[0].message.topic))
         self.reread_skipped += res.reread
+        self.resent_skipped += res.resent
         futures += await self._emit(res)
         if self.rt.acker.generation != generation:
             return futures, []
@@ -696,6 +699,7 @@ class RiskAgents:
             "model_version": self.model.version if self.model else None,
             "decided": self.decided,
             "reread_skipped": self.reread_skipped,
+            "resent_skipped": self.resent_skipped,
             "sends_reported_stuck": self.stuck_reported,
             # records read and not finished, per partition (agents/acks.py): where a stuck one waits
             "unacked_by_partition": self.rt.acker.describe(),

@@ -100,13 +100,16 @@ class EntityState:
     dozens of sets and lists (a full collection stopped the event loop for about 0.4 s each with sets;
     docs/architecture.md, "Risk: features")."""
 
-    __slots__ = ("head", "pos", "recent", "seen", "tiles")
+    __slots__ = ("head", "pos", "recent", "seen", "tiles", "ups")
 
     def __init__(self, spec: EntitySpec, cfg: FeatureConfig) -> None:
         self.head: int | None = None
         #: where the last input this state took came from: (partition, offset, index in the record);
         #: set by the online stages (pipeline/risk/stages.py, ``Stage.run``), None offline
         self.pos: tuple[int, int, int] | None = None
+        #: per upstream (stage kind index, partition): where that stage had read the last item it
+        #: sent here, (offset, index in the record); set by ``Stage.run``, empty offline
+        self.ups: dict[tuple[int, int], tuple[int, int]] = {}
         #: per window: {tile index: (count, cents, small, (values of distinct field 0), ...)}
         self.tiles: list[dict[int, tuple[Any, ...]]] = [{} for _ in WINDOWS]
         self.seen: dict[str, tuple[str, ...]] = dict.fromkeys(spec.seen, ())
@@ -115,16 +118,18 @@ class EntityState:
     def dumps(self) -> bytes:
         """Compact JSON bytes (what the RocksDB table and its changelog hold): ``{"h": head, "t": per
         window [[tile index, [count, cents, small, [values], ...]], ...], "s": seen, "r": recent ids,
-        "p": [partition, offset, index] of the last input taken, or null}``."""
-        return jsonio.dumps(
-            {
-                "h": self.head,
-                "t": [list(ts.items()) for ts in self.tiles],
-                "s": self.seen,
-                "r": list(self.recent),
-                "p": self.pos,
-            }
-        )
+        "p": [partition, offset, index] of the last input taken, or null, "u": [[upstream kind index,
+        partition, offset, index], ...]}`` ("u" only when not empty)."""
+        doc: dict[str, Any] = {
+            "h": self.head,
+            "t": [list(ts.items()) for ts in self.tiles],
+            "s": self.seen,
+            "r": list(self.recent),
+            "p": self.pos,
+        }
+        if self.ups:
+            doc["u"] = [(*src, *at) for src, at in self.ups.items()]
+        return jsonio.dumps(doc)
 
     @classmethod
     def loads(cls, data: bytes, spec: EntitySpec, cfg: FeatureConfig) -> EntityState:
@@ -136,6 +141,7 @@ class EntityState:
         st.recent.extend(obj["r"])
         pos = obj.get("p")  # absent in states written before positions were kept
         st.pos = (pos[0], pos[1], pos[2]) if pos else None
+        st.ups = {(u[0], u[1]): (u[2], u[3]) for u in obj.get("u", ())}
         return st
 
 

@@ -103,13 +103,27 @@ def unpack(raw: bytes | None, where: tuple[str, int, int]) -> list[dict[str, Any
     try:
         items = jsonio.loads(raw or b"")["items"]
         if not isinstance(items, list) or not all(
-            isinstance(i, dict) and isinstance(i.get("e"), dict) and isinstance(i.get("f"), dict)
+            isinstance(i, dict)
+            and isinstance(i.get("e"), dict)
+            and isinstance(i.get("f"), dict)
+            and _origin_ok(i.get("o"))
             for i in items
         ):
-            raise ValueError("items must be a list of {e, f, ...} objects")
+            raise ValueError("items must be a list of {e, f, ...} objects, o (if any) four integers")
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise RepartitionRecordError(*where, repr(exc)) from exc
     return items
+
+
+def _origin_ok(o: Any) -> bool:
+    return o is None or (
+        type(o) is list
+        and len(o) == 4
+        and type(o[0]) is int
+        and type(o[1]) is int
+        and type(o[2]) is int
+        and type(o[3]) is int
+    )
 
 
 def full_features(partial: dict[str, list[Any]]) -> dict[str, Any]:
@@ -176,6 +190,8 @@ class StageResult:
     duplicates: int = 0
     #: of those, items at or before their entity's position: input read again after a crash
     reread: int = 0
+    #: of those, items an upstream stage sent again (at or before the position taken from it)
+    resent: int = 0
 
 
 class Stage:
@@ -229,9 +245,19 @@ class Stage:
         only when an item would be skipped). A state's position at or past its partition's end was
         left by an earlier incarnation of the topic (deleted and created again while the state
         stayed): it is ignored rather than taken to mean that every new record was read before,
-        which would leave those events without a decision."""
+        which would leave those events without a decision.
+
+        An item a stage sends on carries where that stage read it (``o``: its kind's index, partition,
+        offset, index). A stage that died after sending its outputs and before writing its states
+        sends the same items again from the same positions when its input is read again; the entity
+        downstream keeps the last position it took from each upstream partition (whose items reach
+        it in order) and skips an item at or before it, however many events from other partitions
+        came in between. Only if the event is also no later than the entity's latest: a repeat always
+        is (its original was taken), and a new event after the upstream's topic was created again
+        under a state that stayed (its offsets start over) mostly is not."""
         out = StageResult()
         kind = self.kind
+        stamp = ENTITY_KINDS.index(kind)
         for i, (item, ctx) in enumerate(batch):
             ev = item["e"]
             key = ev[kind]
@@ -246,12 +272,22 @@ class Stage:
                         out.duplicates += 1
                         out.reread += 1
                         continue
+            origin = item.get("o")
+            if origin is not None:
+                src, at = (origin[0], origin[1]), (origin[2], origin[3])
+                seen = st.ups.get(src)
+                if seen is not None and at <= seen and st.head is not None and ev["event_time_ms"] <= st.head:
+                    out.duplicates += 1
+                    out.resent += 1
+                    continue
             res = step(self.spec, self.cfg, st, ev)
             if res.status == DUP:
                 out.duplicates += 1
                 continue
             if pos is not None:
                 st.pos = pos
+            if origin is not None:
+                st.ups[src] = at
             out.dirty[key] = (st, ctx)
             if res.status == LATE:
                 out.late.append((item, res.watermark_ms or 0, ctx))
@@ -261,6 +297,10 @@ class Stage:
             if nxt is None:
                 out.decide.append((item, ctx))
             else:
+                if pos is not None:
+                    item["o"] = (stamp, *pos)
+                else:
+                    item.pop("o", None)
                 out.forward.setdefault((nxt, partition_for(ev[nxt], self.partitions)), []).append(item)
         return out
 
