@@ -114,9 +114,12 @@ class RiskClient(ReplyClient[RiskDecision]):
         await self.producer.send_and_wait(self.rules_topic, key=rule_id.encode(), value=None)
 
 
-async def committed_rule_records(bootstrap: str, topic: str, options: dict[str, Any] | None = None) -> int:
-    """How many committed records the rules topic holds, tombstones included (records of aborted or
-    open transactions are not counted: a reader that waits for committed ones never sees them)."""
+async def read_rule_records(
+    bootstrap: str, topic: str, options: dict[str, Any] | None = None, tries: int = 30
+) -> list[tuple[bytes | None, bytes | None]]:
+    """Every committed record of the rules topic, in order, tombstones included, as ``(key, value)``
+    (records of aborted or open transactions are not read: the workers never apply them); none if
+    the topic does not exist."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap,
         enable_auto_commit=False,
@@ -125,16 +128,19 @@ async def committed_rule_records(bootstrap: str, topic: str, options: dict[str, 
     )
     await consumer.start()
     try:
-        tps = [TopicPartition(topic, p) for p in await partitions_of(consumer, topic, tries=100)]
+        tps = [TopicPartition(topic, p) for p in await partitions_of(consumer, topic, tries=tries)]
+        if not tps:
+            return []
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         end = await consumer.end_offsets(tps)
-        n = 0
+        out: list[tuple[bytes | None, bytes | None]] = []
         while True:
             positions = [await consumer.position(tp) for tp in tps]
             if all(pos >= end[tp] for pos, tp in zip(positions, tps, strict=True)):
-                return n
-            n += sum(len(records) for records in (await consumer.getmany(timeout_ms=200)).values())
+                return out
+            batch = await consumer.getmany(timeout_ms=200)
+            out += [(r.key, r.value) for recs in batch.values() for r in recs]
     finally:
         await consumer.stop()
 
@@ -167,7 +173,7 @@ async def publish_rules(
     )
     await producer.start()
     try:
-        if only_if_empty and await committed_rule_records(bootstrap, topic, options):
+        if only_if_empty and await read_rule_records(bootstrap, topic, options, tries=100):
             return False
         async with producer.transaction():
             sent = [

@@ -223,34 +223,12 @@ def cmd_rules(args: argparse.Namespace) -> int:
         await publish_rules(s.bootstrap_servers, topic, rules, options=client_options(s))
 
     async def show() -> RuleBook:
-        from aiokafka import AIOKafkaConsumer, TopicPartition
+        from pipeline.risk_client import read_rule_records
 
-        from pipeline.client import partitions_of
-
-        c = AIOKafkaConsumer(
-            bootstrap_servers=s.bootstrap_servers,
-            enable_auto_commit=False,
-            isolation_level="read_committed",  # what the workers apply
-            **client_options(s),
-        )
-        await c.start()
         book = RuleBook()
-        try:
-            # a consumer that subscribes to nothing knows no topic until it asks (no topic: no rules)
-            tps = [TopicPartition(topic, p) for p in await partitions_of(c, topic)]
-            if tps:
-                c.assign(tps)
-                await c.seek_to_beginning(*tps)
-                end = await c.end_offsets(tps)
-                # a list, not a generator: with an ``await`` in it a generator is asynchronous, and any()
-                # refuses that
-                while any([await c.position(tp) < end[tp] for tp in tps]):
-                    batch = await c.getmany(timeout_ms=500)
-                    _, errors = book.apply_many([(r.key, r.value) for recs in batch.values() for r in recs])
-                    for exc in errors:  # left out, as the workers leave them out
-                        print(f"surge risk rules show: {exc.message}", file=sys.stderr)
-        finally:
-            await c.stop()
+        _, errors = book.apply_many(await read_rule_records(s.bootstrap_servers, topic, client_options(s)))
+        for exc in errors:  # left out, as the workers leave them out
+            print(f"surge risk rules show: {exc.message}", file=sys.stderr)
         return book
 
     if args.action == "publish":

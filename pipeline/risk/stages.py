@@ -207,6 +207,8 @@ class Stage:
         load: Callable[[str, Any], bytes | None],
     ) -> None:
         self.kind = kind
+        #: this kind's index, in the origin (``o``) of the items it sends on
+        self.stamp = ENTITY_KINDS.index(kind)
         self.spec = SPECS[kind]
         self.names = NAMES[kind]
         self.cfg = cfg
@@ -256,8 +258,7 @@ class Stage:
         is (its original was taken), and a new event after the upstream's topic was created again
         under a state that stayed (its offsets start over) mostly is not."""
         out = StageResult()
-        kind = self.kind
-        stamp = ENTITY_KINDS.index(kind)
+        kind, stamp = self.kind, self.stamp
         for i, (item, ctx) in enumerate(batch):
             ev = item["e"]
             key = ev[kind]
