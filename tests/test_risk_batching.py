@@ -100,7 +100,6 @@ async def test_with_room_in_flight_each_arrival_is_a_batch_of_its_own() -> None:
     assert await _run(in_flight=8) == [[1, 2, 3], [4, 5, 6], [7], [8], [9]]
 
 
-
 async def test_the_batch_window_starts_when_the_stage_takes_up_its_batch_not_at_the_first_arrival() -> None:
     # records that waited while the stage ran its last batch wait a whole window more, for company:
     # a window counted from the first arrival made smaller batches and a worse p99 at 1,000 events/s
