@@ -530,10 +530,13 @@ class Inference:
         # sheds MiniLM's cost, at the price of semantic cache hits (exact ones are still looked up)
         template = self.template_model
         shed = template is not None and not template.template_needs_vectors()
+        # a request with ``cache: false`` is never merged, looked up or cached
+        # (pipeline/routing.py, ``RoutingRules``): its vector would serve only a model that reads it
+        shortcuts = s.dedup_enabled or s.cache_enabled
         want = [
             i
             for i, pending in enumerate(items)
-            if (self.use_vectors or s.dedup_enabled or (s.cache_enabled and pending.work.request.cache))
+            if (self.use_vectors or (shortcuts and pending.work.request.cache))
             and (self.use_vectors or is_embeddable(pending.inp.text, embedder.multilingual))
             and not (shed and pending.template)
         ]

@@ -162,3 +162,24 @@ async def test_a_merged_request_asked_again_gets_the_same_answer_from_intake(dep
     assert near_again.similarity == near.similarity
     assert exact_hits(w.metrics()) == hits + 2, "both must be answered at intake, from the exact layer"
     assert model_items(w.metrics()) == items
+
+
+async def test_a_request_that_may_not_share_an_answer_is_not_embedded(deployment) -> None:
+    """``cache: false`` means never merged, never looked up, never cached, so its vector would serve
+    nothing: a long prompt of that kind (an escalated risk case is 2-3 KB of JSON) cost MiniLM's time
+    for nothing, and held real-time requests behind it."""
+    d = deployment(model="echo", rate_limit_enabled="false", **RELAXED)
+    w = d.worker()
+    c = await d.client()
+    private = [
+        await c.submit(request(f"p{i}", f"user-{i % 5}", f"{QUESTIONS[i % 10]} case {i}", cache=False))
+        for i in range(20)
+    ]
+    await c.producer.flush()
+    replies = await d.replies(private, 60)
+    assert all(r.status == "ok" and r.served_from == "model" for r in replies)
+    assert w.status()["embed_calls"] == 0
+    shared = [await c.submit(request(f"s{i}", "user-1", q)) for i, q in enumerate(QUESTIONS[:4])]
+    await c.producer.flush()
+    await d.replies(shared, 60)
+    assert w.status()["embed_calls"] >= 1  # the same worker embeds what may share an answer
