@@ -53,7 +53,7 @@ class OffsetOracle:
         if self._closed:
             raise BrokerError("the offset consumers are closed: the worker is stopping")
         if self._group is None or self._probe is None:
-            group, probe = self._consumer(self.settings.app_id), self._consumer(None)
+            group, probe = self._consumer(self.settings.group_id), self._consumer(None)
             await group.start()
             await probe.start()
             # a consumer starts knowing no topic: its first ListOffsets would fail as stale, back off

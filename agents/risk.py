@@ -32,6 +32,7 @@ from faust.types import TP, EventT, StoreT, TableT
 from agents.acks import SendGroup, Ticket, report_stuck, stuck_after_s
 from agents.batch_send import BatchSender, SentBatch
 from agents.lifecycle import Lifecycle, commit_in_order, on_partitions, serve_pages
+from agents.risk_escalation import Escalations, case_record, escalate_topic
 from agents.runtime import Runtime, event_context, unacked
 from pipeline.admin import ensure_topics
 from pipeline.app import create_app, table_store_options
@@ -78,7 +79,14 @@ RULES_WAIT_S = 1.0
 
 
 def table_name(kind: str) -> str:
-    return f"risk-{kind}"
+    """The Faust table of one kind of entity; the risk role's Faust app id is ``<app_id>-risk``
+    (``Settings.group_id``), so its changelog is :func:`changelog_topic`."""
+    return kind
+
+
+def changelog_topic(settings: Settings, kind: str) -> str:
+    """The changelog of one kind's state table: ``<app_id>-risk-<kind>-changelog``."""
+    return f"{settings.app_id}-risk-{table_name(kind)}-changelog"
 
 
 def repartition_topic(settings: Settings, kind: str) -> str:
@@ -87,12 +95,14 @@ def repartition_topic(settings: Settings, kind: str) -> str:
 
 
 def source_topics(settings: Settings) -> list[str]:
-    """The topics the four stages read: the events, then one repartition topic per re-keyed kind."""
+    """The topics a risk worker reads through its Acker: the events, one repartition topic per
+    re-keyed kind, and the decisions waiting for the model path."""
     from pipeline.topics import TopicNames
 
     return [
         TopicNames(settings.topic_prefix).risk_events,
         *(repartition_topic(settings, k) for k in REKEYED_KINDS),
+        escalate_topic(settings),
     ]
 
 
@@ -101,8 +111,8 @@ def internal_topics(settings: Settings) -> tuple[list[str], list[str]]:
     from pipeline.topics import TopicNames
 
     t = TopicNames(settings.topic_prefix)
-    plain = [*source_topics(settings), t.risk_decisions, t.risk_late]
-    compacted = [t.risk_rules, *(f"{settings.app_id}-{table_name(k)}-changelog" for k in ENTITY_KINDS)]
+    plain = [*source_topics(settings), t.risk_decisions, t.risk_late, settings.risk_escalation_replies]
+    compacted = [t.risk_rules, *(changelog_topic(settings, k) for k in ENTITY_KINDS)]
     return plain, compacted
 
 
@@ -193,6 +203,7 @@ class RiskAgents:
             review = review if review is not None else self.model.meta["review_threshold"]
             decline = decline if decline is not None else self.model.meta["decline_threshold"]
         self.thresholds = Thresholds(review_score=review or 0.5, decline_score=decline or 0.9)
+        self.escalations = Escalations(rt, self.metrics)
         self.tables: dict[str, TableT[str, bytes]] = {}
         #: states serialised by a batch whose outputs the broker has not acknowledged yet
         self.pending: dict[str, dict[str, bytes]] = {}
@@ -605,6 +616,10 @@ class RiskAgents:
             topic = self.rt.topics.risk_decisions
             partitions = len(await producer_partitions_for(self.rt.app.producer, topic))
             by_partition: dict[int, list[tuple[bytes | None, bytes]]] = {}
+            #: borderline decisions, with their events, by account, for the model path
+            #: (agents/risk_escalation.py)
+            escalate: dict[str, list[tuple[bytes | None, bytes]]] = {}
+            esc = self.escalations
             outcomes: Counter[str] = Counter()
             hits: Counter[str] = Counter()
             for (item, _), (ev, feats), score in zip(res.decide, rows, scores, strict=True):
@@ -622,14 +637,20 @@ class RiskAgents:
                     features=feats,
                 )
                 account = ev["account"]
+                hits.update(hit.rule_id for hit in verdict.hits)
+                if esc.wanted(verdict.decision, verdict.score):
+                    # counted once decided (decisions, latency), by the escalation agent
+                    escalate.setdefault(account, []).append((account.encode(), case_record(rec, ev)))
+                    continue
                 by_partition.setdefault(partition_for(account, partitions), []).append(
                     (account.encode(), _dumps(rec))
                 )
                 outcomes[verdict.decision] += 1
-                hits.update(hit.rule_id for hit in verdict.hits)
                 self.metrics.decision_latency.observe(max(0, decided - item["ts"]) / 1000)
             # keyed by account, on the partition the producer's own partitioner would choose
             futures += [b.ack for b in await sender.send(topic, by_partition)]
+            if escalate:
+                futures += await self._escalate(escalate)
             for outcome, n in outcomes.items():
                 self.metrics.decisions.labels(decision=outcome).inc(n)
             for rule_id, n in hits.items():
@@ -638,6 +659,16 @@ class RiskAgents:
         for item, watermark, ctx in res.late:
             futures += await self._late(item, watermark, ctx)
         return futures
+
+    async def _escalate(self, cases: dict[str, list[tuple[bytes | None, bytes]]]) -> list[Awaitable[Any]]:
+        """Send borderline decisions, by account, to the escalate topic, each on the partition the
+        producer's own partitioner gives its account (so one account's cases stay in order)."""
+        topic = escalate_topic(self.s)
+        partitions = len(await producer_partitions_for(self.rt.app.producer, topic))
+        by_partition: dict[int, list[tuple[bytes | None, bytes]]] = {}
+        for account, records in cases.items():
+            by_partition.setdefault(partition_for(account, partitions), []).extend(records)
+        return [b.ack for b in await self._batch_sender().send(topic, by_partition)]
 
     async def _late(self, item: dict[str, Any], watermark: int, ctx: EventT) -> list[Awaitable[Any]]:
         ev, msg = item["e"], ctx.message
@@ -706,6 +737,7 @@ class RiskAgents:
             "acked_again_without_work": self.rt.acker.done_again,
             "feature_cache_hit_share": round(hits / reads, 4) if reads else None,
             "feature_cache_entries": {k: len(c) for k, c in self.caches.items()},
+            "escalation": self.escalations.status(),
         }
 
 
@@ -729,9 +761,20 @@ def register(rt: Runtime) -> RiskAgents:
     for kind in REKEYED_KINDS:
         stage_agent(kind, repartition_topic(rt.settings, kind))
 
+    esc = risk.escalations
+
+    async def escalation_agent(stream: faust.StreamT) -> None:
+        await esc.run(stream)
+
+    app.agent(rt.topic(escalate_topic(rt.settings)), name="surge.risk.escalate")(escalation_agent)
+
     @app.task
     async def risk_rules() -> None:
         await risk.read_rules()
+
+    @app.task
+    async def escalation_replies() -> None:
+        await esc.read_replies()
 
     @app.timer(interval=1.0)
     async def report_stuck_sends() -> None:

@@ -94,7 +94,7 @@ def create_app(settings: Settings) -> faust.App:
     if credentials is not None:
         options["broker_credentials"] = credentials
     return faust.App(
-        settings.app_id,
+        settings.group_id,
         broker=settings.broker,
         store="rocksdb://",
         datadir=str(settings.data_dir.absolute()),

@@ -47,6 +47,7 @@ METRIC_NAMES = (
         "surge_risk_rule_hits_total",
         "surge_risk_late_events_total",
         "surge_risk_feature_cache_total",
+        "surge_risk_escalations_total",
     ),
 )
 #: produce-to-decision latency of the risk path (its SLA is 200 ms, its target 100 ms)
@@ -63,6 +64,7 @@ class RiskMetrics:
     rule_hits: Counter
     late_events: Counter
     feature_cache: Counter
+    escalations: Counter
 
 
 def create_risk_metrics(r: CollectorRegistry) -> RiskMetrics:
@@ -90,7 +92,18 @@ def create_risk_metrics(r: CollectorRegistry) -> RiskMetrics:
             ["kind", "result"],
             registry=r,
         ),
+        escalations=Counter(
+            "surge_risk_escalations",
+            "Borderline risk decisions put to the model path, by how the escalation ended "
+            "(unknown_reply: a reply on the escalation topic that no escalation waits for)",
+            ["outcome"],
+            registry=r,
+        ),
     )
+    from pipeline.risk.escalation import OUTCOMES
+
+    for outcome in (*OUTCOMES, "unknown_reply"):
+        m.escalations.labels(outcome=outcome)
     for outcome in RISK_OUTCOMES:
         m.decisions.labels(decision=outcome)
     for rule in DEFAULT_RULES:

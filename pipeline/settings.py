@@ -502,6 +502,59 @@ class Settings(BaseSettings):
     risk_publish_default_rules: bool = Field(
         True, description="a risk worker that finds surge.risk.rules empty publishes the default rules"
     )
+    risk_escalation_enabled: bool = Field(
+        False,
+        description="put borderline risk decisions (review, or approve with a model score of at least "
+        "risk_escalation_min_score) to the request path's model as real-time requests, and publish the "
+        'decision once it answers (docs/architecture.md, "Risk: escalation"); needs risk_escalation_key',
+    )
+    risk_escalation_key: SecretStr | None = Field(
+        None,
+        description="secret that escalation request ids are derived from (the same on every risk worker): "
+        "a client without it cannot predict an id and plant an answer in the reply book",
+    )
+    risk_escalation_min_score: float = Field(
+        0.3, ge=0, le=1, description="an approve with a model score at least this is escalated too"
+    )
+    risk_escalation_budget_ms: int = Field(
+        150,
+        ge=1,
+        le=600_000,
+        description="an escalation request's deadline, counted from when its event was produced; a case "
+        "read after it (behind a backlog) is decided locally without asking, ms",
+    )
+    risk_escalation_wait_max_ms: int = Field(
+        200,
+        ge=1,
+        le=600_000,
+        description="an escalated event without a reply this long after it was produced is decided "
+        "locally (the SLA); at least risk_escalation_budget_ms, ms",
+    )
+    risk_escalation_may_lower: bool = Field(
+        False,
+        description="let the model's answer make a decision milder (review to approve); off, it may only "
+        "confirm or raise one, since event fields a client controls reach its prompt",
+    )
+    risk_escalation_tenant: str = Field(
+        "risk",
+        min_length=1,
+        max_length=128,
+        description="tenant of escalation requests (rate limits, scopes)",
+    )
+    risk_escalation_model: str | None = Field(
+        None, description="the model field of escalation requests; default: the served model"
+    )
+    risk_escalation_reply_topic: str = Field(
+        "",
+        description="where escalation replies land; default: <prefix>replies.risk (it must be a reply "
+        "topic the request path allows, SURGE_REPLY_TOPIC_PATTERN)",
+    )
+    risk_escalation_max_pending: int = Field(
+        1_000,
+        ge=1,
+        le=100_000,
+        description="escalations waiting for a reply at once; the rest wait in Kafka",
+    )
 
     # --- replay and shadow (docs/architecture.md, "Replay") ------------------------------------------
     replay_rate_per_s: float = Field(
@@ -563,6 +616,16 @@ class Settings(BaseSettings):
                 f"risk_review_score={self.risk_review_score} must be below "
                 f"risk_decline_score={self.risk_decline_score}"
             )
+        if self.risk_escalation_wait_max_ms < self.risk_escalation_budget_ms:
+            raise ValueError(
+                f"risk_escalation_wait_max_ms={self.risk_escalation_wait_max_ms} must be at least "
+                f"risk_escalation_budget_ms={self.risk_escalation_budget_ms}"
+            )
+        if self.risk_escalation_enabled and self.risk_escalation_key is None:
+            raise ValueError(
+                "risk_escalation_enabled needs risk_escalation_key (SURGE_RISK_ESCALATION_KEY): escalation "
+                "request ids are derived from it"
+            )
         self._check_security()
         return self
 
@@ -608,6 +671,22 @@ class Settings(BaseSettings):
                 shown = "" if not field or _SECRET_FIELD.search(field) else f" (got {err.get('input')!r:.80})"
                 details.append(f"{field or 'settings'}: {err['msg']}{shown}")
             raise SettingsError(f"invalid settings: {'; '.join(details)}") from None
+
+    @cached_property
+    def group_id(self) -> str:
+        """The Faust app id of this worker's role: its consumer group, and the prefix Faust gives its
+        table changelogs. The risk role is a stream application of its own, ``<app_id>-risk``: Faust's
+        assignor gives every member of a group the changelogs of the leader's global tables, and a risk
+        worker, which has none, crashed on that assignment (a request worker led, a risk worker
+        joined); with a risk worker leading, request workers would have lost their global tables'
+        partitions (docs/architecture.md, "Risk: the chain")."""
+        return f"{self.app_id}-risk" if self.role == "risk" else self.app_id
+
+    @cached_property
+    def risk_escalation_replies(self) -> str:
+        """The topic escalation replies land on (``risk_escalation_reply_topic``, else
+        ``<prefix>replies.risk``)."""
+        return self.risk_escalation_reply_topic or f"{self.topic_prefix}replies.risk"
 
     @cached_property
     def served_model(self) -> str:

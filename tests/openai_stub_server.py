@@ -11,6 +11,10 @@ Test hooks, read from the message contents (a real endpoint has none):
 * ``[[status=N]]``: answer HTTP N with an OpenAI-style error body (429 carries ``Retry-After: 2``).
 
 ``GET /stats`` returns ``{"requests", "in_flight", "max_in_flight"}``; ``POST /stats/reset`` zeroes them.
+``GET /seen`` returns the messages of the last 200 chat requests, oldest first.
+
+``--answer TEXT`` answers every chat with TEXT after ``--answer-delay-ms`` instead of running the model
+(the stand-in for an LLM that judges: tests/test_risk_escalation_integration.py); no model is loaded.
 
 Run: ``python tests/openai_stub_server.py --model-dir DIR [--model-name NAME] [--port 0] [--build-tiny]``
 (``--build-tiny`` first writes :func:`models.tiny.build_tiny_causal_lm`'s model to DIR); it prints
@@ -51,9 +55,15 @@ def _error(status: int, message: str, err_type: str = "invalid_request_error") -
 class StubServer:
     """State of one stub server: the model and the request counters."""
 
-    def __init__(self, model: HFCausalLM, model_name: str) -> None:
+    def __init__(
+        self, model: HFCausalLM | None, model_name: str, answer: str | None = None, answer_delay_ms: int = 0
+    ) -> None:
         self.model = model
         self.model_name = model_name
+        self.answer = answer
+        self.answer_delay_ms = answer_delay_ms
+        #: the messages of the last chat requests
+        self.seen: list[list[dict[str, str]]] = []
         self.requests = 0
         self.in_flight = 0
         self.max_in_flight = 0
@@ -66,6 +76,9 @@ class StubServer:
         return web.json_response(
             {"requests": self.requests, "in_flight": self.in_flight, "max_in_flight": self.max_in_flight}
         )
+
+    async def seen_messages(self, _request: web.Request) -> web.Response:
+        return web.json_response(self.seen)
 
     async def reset(self, _request: web.Request) -> web.Response:
         self.requests = 0
@@ -103,6 +116,11 @@ class StubServer:
         if not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
             return _error(400, f"max_tokens must be an integer in 1..{MAX_TOKENS_LIMIT}, got {max_tokens!r}")
         temperature = float(body.get("temperature", 1.0))
+        self.seen = [*self.seen[-199:], [{"role": m.role, "content": m.content} for m in messages]]
+        if self.answer is not None:
+            await asyncio.sleep(self.answer_delay_ms / 1000.0)
+            return web.json_response(_completion(self.model_name, self.answer, "stop", None, 0, 0))
+        assert self.model is not None
         text = " ".join(m.content for m in messages)
         if (m := _SLEEP.search(text)) is not None:
             await asyncio.sleep(int(m.group(1)) / 1000.0)
@@ -118,46 +136,73 @@ class StubServer:
             (out,) = await asyncio.to_thread(self.model.infer, [inp])
         except ModelError as exc:
             return _error(500, str(exc), "server_error")
-        logprobs = None
+        logprobs: dict[str, Any] | None = None
         if out.logprobs is not None:
-            content = [{"token": "", "logprob": lp, "bytes": None, "top_logprobs": []} for lp in out.logprobs]
+            content: list[dict[str, Any]] = [
+                {"token": "", "logprob": lp, "bytes": None, "top_logprobs": []} for lp in out.logprobs
+            ]
             logprobs = {"content": content}
         prompt_tokens = int(out.extra.get("prompt_tokens", 0))  # type: ignore[call-overload]
         completion_tokens = int(out.extra.get("completion_tokens", 0))  # type: ignore[call-overload]
         return web.json_response(
-            {
-                "id": f"chatcmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": self.model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": out.answer},
-                        "finish_reason": out.finish_reason,
-                        "logprobs": logprobs,
-                    }
-                ],
-                "usage": {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens,
-                },
-            }
+            _completion(
+                self.model_name, out.answer, out.finish_reason, logprobs, prompt_tokens, completion_tokens
+            )
         )
 
 
-async def _serve(model_dir: str, model_name: str, host: str, port: int, build_tiny: bool) -> None:
-    if build_tiny:
-        build_tiny_causal_lm(model_dir)
-    model = HFCausalLM(model_dir, name=model_name)
-    model.load()
-    stub = StubServer(model, model_name)
+def _completion(
+    model_name: str,
+    answer: str,
+    finish_reason: str,
+    logprobs: Any,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> dict[str, Any]:
+    """An OpenAI chat completion response body."""
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": answer},
+                "finish_reason": finish_reason,
+                "logprobs": logprobs,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+async def _serve(
+    model_dir: str,
+    model_name: str,
+    host: str,
+    port: int,
+    build_tiny: bool,
+    answer: str | None = None,
+    answer_delay_ms: int = 0,
+) -> None:
+    model = None
+    if answer is None:
+        if build_tiny:
+            build_tiny_causal_lm(model_dir)
+        model = HFCausalLM(model_dir, name=model_name)
+        model.load()
+    stub = StubServer(model, model_name, answer, answer_delay_ms)
     app = web.Application()
     app.router.add_get("/v1/models", stub.models)
     app.router.add_post("/v1/chat/completions", stub.chat)
     app.router.add_get("/stats", stub.stats)
     app.router.add_post("/stats/reset", stub.reset)
+    app.router.add_get("/seen", stub.seen_messages)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -177,9 +222,21 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--build-tiny", action="store_true", help="first write a tiny model to --model-dir")
+    parser.add_argument("--answer", default=None, help="answer every chat with this text (no model)")
+    parser.add_argument("--answer-delay-ms", type=int, default=0, help="wait this long before --answer")
     args = parser.parse_args()
     try:
-        asyncio.run(_serve(args.model_dir, args.model_name, args.host, args.port, args.build_tiny))
+        asyncio.run(
+            _serve(
+                args.model_dir,
+                args.model_name,
+                args.host,
+                args.port,
+                args.build_tiny,
+                args.answer,
+                args.answer_delay_ms,
+            )
+        )
     except KeyboardInterrupt:
         pass
 

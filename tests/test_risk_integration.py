@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from agents.risk import ensure_risk_topics, feature_config
+from agents.risk import changelog_topic, ensure_risk_topics, feature_config
 from pipeline.client import partitions_of
 from pipeline.devtools.bench.risk_check import check_decisions, read_arrivals
 from pipeline.metrics import scrape
@@ -408,7 +408,7 @@ async def test_states_reach_the_store_and_the_changelog_with_the_changelog_offse
     w.stop()
     data_dir = Path(d.env["SURGE_DATA_DIR"])
     for kind in ("account", "card", "device", "ip"):
-        name = f"{d.settings.app_id}-{table_name(kind)}-changelog"
+        name = changelog_topic(d.settings, kind)
         ends: dict[int, int] = dict.fromkeys(range(PARTITIONS), 0)
         latest: dict[int, dict[bytes, bytes]] = {p: {} for p in range(PARTITIONS)}
         for r in await d.read_topic(name):

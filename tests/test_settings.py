@@ -224,3 +224,15 @@ def test_a_survivor_hears_of_a_dead_member_within_a_second_of_its_session_expiri
     assert app.conf.broker_heartbeat_interval <= 1.0
     short = create_app(Settings.load(session_timeout_s=4))
     assert short.conf.broker_heartbeat_interval <= 0.4
+
+
+def test_escalation_needs_a_key_and_the_risk_role_is_a_group_of_its_own() -> None:
+    with pytest.raises(SettingsError, match="risk_escalation_key"):
+        Settings.load(risk_escalation_enabled=True)
+    s = Settings.load(risk_escalation_enabled=True, risk_escalation_key="k" * 32)
+    assert s.risk_escalation_replies == "surge.replies.risk"
+    assert "k" * 32 not in repr(s)  # a secret
+    # a risk worker must not share the request path's consumer group (docs/architecture.md,
+    # "Risk: the chain"): Faust's assignor hands every member the leader's global tables
+    assert Settings.load(role="risk").group_id == "surge-risk"
+    assert {Settings.load(role=r).group_id for r in ("all", "intake", "inference")} == {"surge"}

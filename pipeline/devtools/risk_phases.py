@@ -1,12 +1,16 @@
 """One risk worker through three phases, with its garbage-collection pauses: an A/B of two checkouts.
 
 ``python -m pipeline.devtools.risk_phases [--pre N] [--capacity N] [--low N] [--rate R] [--simulate N]
-[--workers N] [--json P]``
+[--workers N] [--escalate] [--json P]``
 starts a broker and one ``surge worker --role risk`` (or ``--workers`` of them) and sends ``surge bench risk``'s simulated stream:
 
 1. ``--pre`` events as a backlog, waited for: the entity state a worker holds after a while;
 2. ``--capacity`` events as fast as possible: the events/s it drains;
 3. ``--low`` events at ``--rate``/s: produce-to-decision p50/p90/p99 when it keeps up.
+
+``--escalate`` also starts a request-path worker (the echo model, whose answers name no decision, so
+every escalated event keeps its local decision after the full round trip) and turns escalation on
+(docs/architecture.md, "Risk: escalation"): phase 3 then reports the escalated events' latency apart.
 
 It prints one JSON line (``RESULT {...}``) with those numbers and the worker's full (generation 2)
 collections, counted and timed by ``surge_gc_pause_seconds``, during phase 3 and in all. To compare two
@@ -57,6 +61,7 @@ def run_phases(
     broker: EmbeddedKafka | None = None,
     simulate: int | None = None,
     workers: int = 1,
+    escalate: bool = False,
 ) -> dict[str, Any]:
     """The three phases on a fresh deployment (and a broker of its own unless ``broker`` is given).
     ``simulate``: events the stream is simulated for (its customers and days grow with it), the
@@ -68,7 +73,12 @@ def run_phases(
     events = rb.stream(total)
     phases = events[:pre], events[pre : pre + capacity], events[pre + capacity : pre + capacity + low]
     with BenchEnv("risk-phases", broker=broker, bench_dir=BENCH_DIR / "risk-phases") as env:
-        d = env.deployment("risk", role="risk", risk_grace_ms=rb.GRACE_MS)
+        extra: dict[str, object] = {}
+        if escalate:
+            import secrets
+
+            extra = {"risk_escalation_enabled": True, "risk_escalation_key": secrets.token_hex(16)}
+        d = env.deployment("risk", role="risk", risk_grace_ms=rb.GRACE_MS, **extra)
         settings = d.settings()
 
         async def main() -> dict[str, Any]:
@@ -77,6 +87,10 @@ def run_phases(
             from agents.risk import ensure_risk_topics
 
             await ensure_risk_topics(settings)
+            if escalate:  # the request path the escalations go to
+                d.worker(
+                    role="all", model="echo", worker_id="requests", data_dir=str(d.tmp / "data-requests")
+                )
             started = [
                 d.worker(role="risk", wait=False, worker_id=f"w{i}", data_dir=str(d.tmp / f"data-w{i}"))
                 for i in range(workers)
@@ -103,11 +117,21 @@ def run_phases(
                     seconds.append(time.monotonic() - t)
                 gc_after = _gc2(scrape(w.metrics()))
                 ids = {e["event_id"] for e in phases[2]}
-                lat = [
-                    float(x.timings.produce_to_decision_ms)
-                    for x in collector.decisions()
-                    if x.timings is not None and x.event_id in ids
+                low_decisions = [
+                    x for x in collector.decisions() if x.timings is not None and x.event_id in ids
                 ]
+                lat = [float(x.timings.produce_to_decision_ms) for x in low_decisions if x.timings]
+                escalated = [x for x in low_decisions if x.escalation is not None]
+                esc_lat = [float(x.timings.produce_to_decision_ms) for x in escalated if x.timings]
+                rest_lat = [
+                    float(x.timings.produce_to_decision_ms)
+                    for x in low_decisions
+                    if x.timings and x.escalation is None
+                ]
+                outcomes: dict[str, int] = {}
+                for x in escalated:
+                    assert x.escalation is not None
+                    outcomes[x.escalation.outcome] = outcomes.get(x.escalation.outcome, 0) + 1
             finally:
                 await producer.stop()
                 await collector.stop()
@@ -122,6 +146,19 @@ def run_phases(
                 "low_rate": rate,
                 "low_seconds": round(seconds[2], 1),
                 **{f"low_p{int(q * 100)}_ms": _quantile(lat, q) for q in (0.5, 0.9, 0.99)},
+                **(
+                    {
+                        "low_escalated": len(escalated),
+                        "low_escalation_outcomes": outcomes,
+                        **{
+                            f"low_escalated_p{int(q * 100)}_ms": _quantile(esc_lat, q)
+                            for q in (0.5, 0.9, 0.99)
+                        },
+                        **{f"low_local_p{int(q * 100)}_ms": _quantile(rest_lat, q) for q in (0.5, 0.9, 0.99)},
+                    }
+                    if escalate
+                    else {}
+                ),
                 "gc2_count_low": gc_after[0] - gc_before[0],
                 "gc2_seconds_low": round(gc_after[1] - gc_before[1], 3),
                 "gc2_count_total": gc_after[0],
@@ -144,9 +181,14 @@ def main(argv: list[str] | None = None) -> int:
         help="events the stream is simulated for (245,000: the world of surge bench risk)",
     )
     p.add_argument("--workers", type=int, default=1, help="risk workers, each with its own store")
+    p.add_argument(
+        "--escalate", action="store_true", help="escalation on, with a request-path worker (echo model)"
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     a = p.parse_args(argv)
-    result = run_phases(a.pre, a.capacity, a.low, a.rate, simulate=a.simulate, workers=a.workers)
+    result = run_phases(
+        a.pre, a.capacity, a.low, a.rate, simulate=a.simulate, workers=a.workers, escalate=a.escalate
+    )
     line = json.dumps(result)
     print(f"RESULT {line}", flush=True)
     if a.json is not None:

@@ -105,6 +105,23 @@ class RiskTimings(BaseModel):
     decided_ms: int
     #: decided_ms - produced_ms
     produce_to_decision_ms: float
+    #: escalated decisions: from the local decision to the final one (the model path's round trip)
+    escalation_ms: float | None = None
+
+
+class Escalation(BaseModel):
+    """How an escalated decision was made (docs/architecture.md, "Risk: escalation")."""
+
+    model_config = ConfigDict(frozen=True)
+
+    #: the id of the request put to the model path (a keyed hash of the event id)
+    request_id: str
+    #: answered, not_applied (milder than the local decision), unparsed, template, error, unanswered
+    outcome: str
+    #: the decision the risk worker made on its own
+    local_decision: Outcome
+    #: the decision the model's answer named, when it named one
+    answer: Outcome | None = None
 
 
 class RiskDecision(BaseModel):
@@ -126,6 +143,11 @@ class RiskDecision(BaseModel):
     late: bool = False
     error: ErrorInfo | None = None
     timings: RiskTimings | None = None
+    #: which path decided: ``local`` (rules and the model in the risk worker) or ``model`` (the request
+    #: path's model, asked about a borderline decision: docs/architecture.md, "Risk: escalation")
+    path: Literal["local", "model"] = "local"
+    #: escalated decisions only: how the escalation went
+    escalation: Escalation | None = None
 
     def same_as(self, other: RiskDecision) -> bool:
         """Equal apart from timings: what a decision repeated after a crash must satisfy."""
