@@ -621,6 +621,8 @@ class Settings(BaseSettings):
                 f"risk_escalation_wait_max_ms={self.risk_escalation_wait_max_ms} must be at least "
                 f"risk_escalation_budget_ms={self.risk_escalation_budget_ms}"
             )
+        if self.risk_escalation_enabled:
+            self._check_escalation_reply_topic()
         if self.risk_escalation_enabled and self.risk_escalation_key is None:
             raise ValueError(
                 "risk_escalation_enabled needs risk_escalation_key (SURGE_RISK_ESCALATION_KEY): escalation "
@@ -628,6 +630,19 @@ class Settings(BaseSettings):
             )
         self._check_security()
         return self
+
+    def _check_escalation_reply_topic(self) -> None:
+        """The request path must reply on the escalation reply topic; a name its reply_to policy
+        refuses would leave every escalation unanswered, each one a wait of the SLA."""
+        from pipeline.exceptions import InvalidRequestError
+        from pipeline.replyto import ReplyToPolicy
+        from pipeline.topics import TopicNames
+
+        policy = ReplyToPolicy(TopicNames(self.topic_prefix), self.app_id, self.reply_topic_pattern)
+        try:
+            policy.resolve(self.risk_escalation_replies)
+        except InvalidRequestError as exc:
+            raise ValueError(f"risk_escalation_reply_topic: {exc.message}") from None
 
     def _check_security(self) -> None:
         from pipeline.auth import parse_api_keys

@@ -232,6 +232,12 @@ def test_escalation_needs_a_key_and_the_risk_role_is_a_group_of_its_own() -> Non
     s = Settings.load(risk_escalation_enabled=True, risk_escalation_key="k" * 32)
     assert s.risk_escalation_replies == "surge.replies.risk"
     assert "k" * 32 not in repr(s)  # a secret
+    # a reply topic the request path would refuse: every escalation would go unanswered
+    for name in ("surge.risk.decisions", "elsewhere"):
+        with pytest.raises(SettingsError, match="risk_escalation_reply_topic"):
+            Settings.load(
+                risk_escalation_enabled=True, risk_escalation_key="k", risk_escalation_reply_topic=name
+            )
     # a risk worker must not share the request path's consumer group (docs/architecture.md,
     # "Risk: the chain"): Faust's assignor hands every member the leader's global tables
     assert Settings.load(role="risk").group_id == "surge-risk"
