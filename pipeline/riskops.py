@@ -77,6 +77,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     d.add_argument("--summary-json", default=None)
     d.add_argument("--quiet", action="store_true", help="only the progress line and the summary")
     d.add_argument("--all", action="store_true", help="print approvals too (default: review/decline only)")
+    d.add_argument(
+        "--escalate-url",
+        default=None,
+        help="also run a request-path worker on this OpenAI-compatible endpoint (a DeepSeek or vLLM "
+        "server, .../v1) and escalate borderline decisions to it (docs/architecture.md, 'Risk: escalation')",
+    )
+    d.add_argument("--escalate-model", default="default", help="the model name the endpoint serves")
+    d.add_argument(
+        "--escalate-budget-ms",
+        type=int,
+        default=None,
+        help="the escalation request's deadline after the event (default: SURGE_RISK_ESCALATION_BUDGET_MS); "
+        "the decision waits 50 ms more at most",
+    )
     d.set_defaults(fn=cmd_demo)
 
 
@@ -257,12 +271,42 @@ def cmd_rules(args: argparse.Namespace) -> int:
 
 # ---- demo ---------------------------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> int:
+    escalate = (
+        Escalate(args.escalate_url, args.escalate_model, args.escalate_budget_ms)
+        if args.escalate_url
+        else None
+    )
     summary = run_risk_demo(
-        n=args.n, rate_per_s=args.rate, data_dir=Path(args.data_dir), quiet=args.quiet, show_all=args.all
+        n=args.n,
+        rate_per_s=args.rate,
+        data_dir=Path(args.data_dir),
+        quiet=args.quiet,
+        show_all=args.all,
+        escalate=escalate,
     )
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=2))
     return 0 if summary["decided"] == summary["sent"] else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Escalate:
+    """The demo's model path: an OpenAI-compatible endpoint a request-path worker serves from."""
+
+    url: str
+    model: str = "default"
+    #: the escalation request's deadline after the event; None: the setting's
+    budget_ms: int | None = None
+
+    def env(self) -> dict[str, str]:
+        """Settings for both workers: escalation on, with a key of this run's own."""
+        import secrets
+
+        env = {"SURGE_RISK_ESCALATION_ENABLED": "true", "SURGE_RISK_ESCALATION_KEY": secrets.token_hex(16)}
+        if self.budget_ms is not None:
+            env["SURGE_RISK_ESCALATION_BUDGET_MS"] = str(self.budget_ms)
+            env["SURGE_RISK_ESCALATION_WAIT_MAX_MS"] = str(self.budget_ms + 50)
+        return env
 
 
 def demo_events(n: int, seed: int = 11) -> list[dict[str, Any]]:
@@ -297,9 +341,11 @@ async def _drive(
             return
         e = labels[d.event_id]
         truth = f"FRAUD:{e['scenario']}" if e["label"] else "legit"
+        by = "" if d.escalation is None else f" [{d.path}: {d.escalation.outcome}]"
+        reasons = d.reasons[:2] if d.escalation is None else [*d.reasons[:1], d.reasons[-1]]
         stream.bar.write(
             f"{d.decision:>8} {e['type']:<8} {e['account']} {e['amount']:>9.2f} {e['country']} "
-            f"[{truth}] score {d.score if d.score is not None else '-'}  {'; '.join(d.reasons[:2])}"
+            f"[{truth}]{by} score {d.score if d.score is not None else '-'}  {'; '.join(reasons)}"
         )
 
     async with RiskClient(
@@ -329,6 +375,8 @@ async def _drive(
         "legit_flagged": legit_flagged,
         "rule_versions": sorted({d.rule_version for d in decisions if d.rule_version}),
         "model_versions": sorted({d.model_version for d in decisions if d.model_version}),
+        "by_path": dict(Counter(d.path for d in decisions)),
+        "escalations": dict(Counter(d.escalation.outcome for d in decisions if d.escalation is not None)),
         "latency_ms": stream.latency_ms(),
         "events_per_s": round(len(decisions) / elapsed, 1),
         "seconds": round(elapsed, 2),
@@ -336,21 +384,39 @@ async def _drive(
 
 
 def run_risk_demo(
-    n: int, rate_per_s: float, data_dir: Path, quiet: bool = False, show_all: bool = False
+    n: int,
+    rate_per_s: float,
+    data_dir: Path,
+    quiet: bool = False,
+    show_all: bool = False,
+    escalate: Escalate | None = None,
 ) -> dict[str, Any]:
-    """Start Kafka and a risk worker, stream ``n`` simulated events at ``rate_per_s``, stop everything."""
+    """Start Kafka and a risk worker, stream ``n`` simulated events at ``rate_per_s``, stop everything.
+    ``escalate``: a request-path worker on that endpoint too, and borderline decisions escalated to it."""
     from pipeline.devtools.demo import demo_stack
     from pipeline.settings import Settings
 
     # a fresh broker and fresh tables each run: the simulated stream is the same every time, and a
     # second run's events would otherwise be duplicates (or late) for the tables of the first
     shutil.rmtree(data_dir, ignore_errors=True)
-    with demo_stack(data_dir, {"SURGE_ROLE": "risk", "SURGE_APP_ID": "surge-risk-demo"}) as stack:
+    env = {"SURGE_ROLE": "risk", "SURGE_APP_ID": "surge-risk-demo", **(escalate.env() if escalate else {})}
+    with demo_stack(data_dir, env) as stack:
         settings = Settings()
         from agents.risk import ensure_risk_topics
 
         asyncio.run(ensure_risk_topics(settings))
         events = demo_events(n)
+        if escalate is not None:
+            stack.start_worker(
+                f"a request-path worker on {escalate.url} (model {escalate.model})",
+                "all",
+                env={
+                    "SURGE_MODEL": "remote",
+                    "SURGE_REMOTE_BASE_URL": escalate.url,
+                    "SURGE_REMOTE_MODEL": escalate.model,
+                    "SURGE_DATA_DIR": str(data_dir / "tables-requests"),
+                },
+            )
         worker = stack.start_worker("a risk worker (rules, model, RocksDB tables)", "risk", RISK_READY)
         print(f"worker ready; sending {len(events)} simulated events at {rate_per_s:g}/s\n", flush=True)
         summary = asyncio.run(_drive(settings, events, rate_per_s, quiet, show_all))
@@ -361,5 +427,10 @@ def run_risk_demo(
         f"legitimate flagged {summary['legit_flagged']}\n"
         f"produce-to-decision p50 {summary['latency_ms']['p50']} ms, p99 {summary['latency_ms']['p99']} ms, "
         f"{summary['events_per_s']} events/s; rules {summary['rule_versions']}, model {summary['model_versions']}"
+        + (
+            f"\ndecided by {summary['by_path']}; escalations {summary['escalations']}"
+            if escalate is not None
+            else ""
+        )
     )
     return summary

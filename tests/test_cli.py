@@ -216,3 +216,30 @@ def test_settings_error_exits_2_with_a_message(
     assert cli.main(["send", "hi", "--timeout-s", "1"]) == 2
     err = capsys.readouterr().err
     assert "SettingsError" in err and "base_batch_size=64" in err and "max_batch_size=8" in err
+
+
+def test_risk_demo_escalation_flags_make_valid_settings_for_both_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``surge risk demo --escalate-url``: both workers must accept the settings the demo gives them
+    (a key, a budget with the wait 50 ms past it), or the demo stops at its first worker."""
+    from pipeline.riskops import Escalate
+    from pipeline.settings import Settings
+
+    args = build_parser().parse_args(
+        ["risk", "demo", "--escalate-url", "http://llm:8000/v1", "--escalate-model", "deepseek-chat"]
+    )
+    assert (args.escalate_url, args.escalate_model, args.escalate_budget_ms) == (
+        "http://llm:8000/v1",
+        "deepseek-chat",
+        None,
+    )
+    env = Escalate(args.escalate_url, args.escalate_model, 800).env()
+    assert env["SURGE_RISK_ESCALATION_KEY"] != Escalate("u").env()["SURGE_RISK_ESCALATION_KEY"]  # per run
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    risk = Settings.load(role="risk")
+    assert risk.risk_escalation_enabled and risk.risk_escalation_budget_ms == 800
+    assert risk.risk_escalation_wait_max_ms == 850
+    requests = Settings.load(role="all", model="remote", remote_base_url="http://llm:8000/v1")
+    assert requests.risk_escalation_replies == risk.risk_escalation_replies

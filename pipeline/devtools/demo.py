@@ -10,7 +10,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -112,21 +112,26 @@ class DemoStack:
     bootstrap: str
     env: dict[str, str]
     data_dir: Path
-    worker: WorkerProcess | None = None
+    workers: list[WorkerProcess] = field(default_factory=list)
 
-    def start_worker(self, what: str, role: str = "all", marker: str | None = None) -> WorkerProcess:
-        """Start ``what`` (``surge worker --role role``) and wait until it logs ``marker``."""
+    def start_worker(
+        self, what: str, role: str = "all", marker: str | None = None, env: Mapping[str, str] | None = None
+    ) -> WorkerProcess:
+        """Start ``what`` (``surge worker --role role``, the stack's environment plus ``env``) and wait
+        until it logs ``marker``. A second worker logs to ``worker-<n>.log``."""
         print(f"Kafka at {self.bootstrap}; starting {what} ...", flush=True)
-        self.worker = WorkerProcess(self.env, self.data_dir / "worker.log", role=role).start()
-        self.worker.wait_ready(marker=marker)
-        return self.worker
+        log = self.data_dir / ("worker.log" if not self.workers else f"worker-{len(self.workers)}.log")
+        worker = WorkerProcess({**self.env, **(env or {})}, log, role=role).start()
+        self.workers.append(worker)
+        worker.wait_ready(marker=marker)
+        return worker
 
 
 @contextlib.contextmanager
 def demo_stack(data_dir: Path, env: Mapping[str, str] | None = None) -> Iterator[DemoStack]:
     """Start an embedded broker under ``data_dir`` and point this process's environment at it
     (``SURGE_BROKER``, ``SURGE_DATA_DIR``, then ``env``); on the way out the worker started with
-    :meth:`DemoStack.start_worker` stops, then the broker."""
+    :meth:`DemoStack.start_worker` stop, then the broker."""
     data_dir.mkdir(parents=True, exist_ok=True)
     base = Settings()
     kafka = EmbeddedKafka(data_dir / "kafka", cache_dir=base.kafka_cache_dir, version=base.kafka_version)
@@ -138,8 +143,8 @@ def demo_stack(data_dir: Path, env: Mapping[str, str] | None = None) -> Iterator
         os.environ.update(stack.env)
         yield stack
     finally:
-        if stack.worker is not None:
-            stack.worker.stop()
+        for worker in reversed(stack.workers):
+            worker.stop()
         kafka.stop()
 
 
