@@ -95,7 +95,8 @@ class Escalations:
         consumer = AIOKafkaConsumer(
             bootstrap_servers=self.s.bootstrap_servers,
             enable_auto_commit=False,
-            fetch_max_wait_ms=20,
+            # the broker answers a fetch as soon as a reply arrives; the wait only bounds idle polling
+            fetch_max_wait_ms=250,
             **client_options(self.s),
         )
         await consumer.start()
