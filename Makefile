@@ -21,4 +21,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: lint
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=25

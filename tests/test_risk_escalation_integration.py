@@ -145,16 +145,16 @@ async def test_borderline_decisions_are_decided_by_the_model_path(deployment: An
 async def test_sigkill_while_escalations_wait_leaves_no_event_undecided(
     deployment: Any, tmp_path: Path
 ) -> None:
-    """The reviewer takes 0.8 s an answer; the risk worker is killed while it waits for some of them
+    """The reviewer takes 0.5 s an answer; the risk worker is killed while it waits for some of them
     and started again: every event gets a decision, and a case decided before the kill and again after
     it (its record not yet committed) gets the same decision, answered from the reply book."""
-    with reviewer(tmp_path, "REVIEW: ask the customer", delay_ms=800) as url:
+    with reviewer(tmp_path, "REVIEW: ask the customer", delay_ms=500) as url:
         # the cases read again after the restart still have budget left: they are asked again
         d, risk = await start(
             deployment, url, tmp_path, risk_escalation_budget_ms=120_000, risk_escalation_wait_max_ms=120_000
         )
         c = await risk_client(d)
-        events = stream(120, seed=29)
+        events = stream(100, seed=29)
         futs = {e["event_id"]: await c.send(e) for e in events}
         await c.producer.flush()
         # kill once some escalations are answered and others wait
