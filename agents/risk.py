@@ -96,14 +96,22 @@ def repartition_topic(settings: Settings, kind: str) -> str:
 
 def source_topics(settings: Settings) -> list[str]:
     """The topics a risk worker reads through its Acker: the events, one repartition topic per
-    re-keyed kind, and the decisions waiting for the model path."""
+    re-keyed kind, and, with an escalation key, the decisions waiting for the model path (a worker
+    without one does not subscribe to it: each topic a worker reads costs it on every poll)."""
     from pipeline.topics import TopicNames
 
     return [
         TopicNames(settings.topic_prefix).risk_events,
         *(repartition_topic(settings, k) for k in REKEYED_KINDS),
-        escalate_topic(settings),
+        *([escalate_topic(settings)] if reads_escalations(settings) else []),
     ]
+
+
+def reads_escalations(settings: Settings) -> bool:
+    """Whether a risk worker runs the escalation agent: whenever it has a key, so cases written while
+    escalation was on are still decided after it was turned off (docs/architecture.md,
+    "Risk: escalation")."""
+    return settings.risk_escalation_key is not None
 
 
 def internal_topics(settings: Settings) -> tuple[list[str], list[str]]:
@@ -111,7 +119,9 @@ def internal_topics(settings: Settings) -> tuple[list[str], list[str]]:
     from pipeline.topics import TopicNames
 
     t = TopicNames(settings.topic_prefix)
-    plain = [*source_topics(settings), t.risk_decisions, t.risk_late, settings.risk_escalation_replies]
+    plain = [*source_topics(settings), escalate_topic(settings), t.risk_decisions, t.risk_late]
+    plain += [settings.risk_escalation_replies]
+    plain = list(dict.fromkeys(plain))
     compacted = [t.risk_rules, *(changelog_topic(settings, k) for k in ENTITY_KINDS)]
     return plain, compacted
 
@@ -762,19 +772,20 @@ def register(rt: Runtime) -> RiskAgents:
         stage_agent(kind, repartition_topic(rt.settings, kind))
 
     esc = risk.escalations
+    if reads_escalations(rt.settings):
 
-    async def escalation_agent(stream: faust.StreamT) -> None:
-        await esc.run(stream)
+        async def escalation_agent(stream: faust.StreamT) -> None:
+            await esc.run(stream)
 
-    app.agent(rt.topic(escalate_topic(rt.settings)), name="surge.risk.escalate")(escalation_agent)
+        app.agent(rt.topic(escalate_topic(rt.settings)), name="surge.risk.escalate")(escalation_agent)
+
+        @app.task
+        async def escalation_replies() -> None:
+            await esc.read_replies()
 
     @app.task
     async def risk_rules() -> None:
         await risk.read_rules()
-
-    @app.task
-    async def escalation_replies() -> None:
-        await esc.read_replies()
 
     @app.timer(interval=1.0)
     async def report_stuck_sends() -> None:

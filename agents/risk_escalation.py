@@ -175,12 +175,7 @@ class Escalations:
             dead = await rt.deadletter(event, "internal", f"not an escalation case: {exc!r}")
             acker.ack_after([ticket], [dead])
             return
-        if self.key is None:  # escalation turned off (no key) since the case was written
-            local = {**local, "reasons": [*local.get("reasons", []), "model path: escalation is off"]}
-            out = await rt.send(rt.topics.risk_decisions, account, jsonio.dumps(local))
-            acker.ack_after([ticket], [out])
-            self._count(local, "unanswered")
-            return
+        assert self.key is not None  # the agent runs only with a key (agents/risk.py, reads_escalations)
         await self.listening.wait()
         asked_ms = now_ms()
         produced = (local.get("timings") or {}).get("produced_ms", asked_ms)

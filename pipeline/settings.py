@@ -511,7 +511,9 @@ class Settings(BaseSettings):
     risk_escalation_key: SecretStr | None = Field(
         None,
         description="secret that escalation request ids are derived from (the same on every risk worker): "
-        "a client without it cannot predict an id and plant an answer in the reply book",
+        "a client without it cannot predict an id and plant an answer in the reply book; a risk worker "
+        "with a key reads the escalated cases, so keep it after turning escalation off until they are "
+        "decided",
     )
     risk_escalation_min_score: float = Field(
         0.3, ge=0, le=1, description="an approve with a model score at least this is escalated too"
