@@ -119,9 +119,9 @@ def internal_topics(settings: Settings) -> tuple[list[str], list[str]]:
     from pipeline.topics import TopicNames
 
     t = TopicNames(settings.topic_prefix)
-    plain = [*source_topics(settings), escalate_topic(settings), t.risk_decisions, t.risk_late]
-    plain += [settings.risk_escalation_replies]
-    plain = list(dict.fromkeys(plain))
+    plain = [*source_topics(settings), t.risk_decisions, t.risk_late]
+    if reads_escalations(settings):  # a deployment that never escalates gets no reply topic for it
+        plain.append(settings.risk_escalation_replies)
     compacted = [t.risk_rules, *(changelog_topic(settings, k) for k in ENTITY_KINDS)]
     return plain, compacted
 

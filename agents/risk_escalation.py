@@ -88,9 +88,8 @@ class Escalations:
         """Read every partition of the escalation reply topic from its end (no consumer group: a
         reply lands on the partition of its user, whichever worker asked) and hand each reply to the
         escalation waiting for it; others are counted (``unknown_reply``) and dropped. Runs whenever
-        there is a key: cases written while escalation was on are still asked after it was turned off."""
-        if self.key is None:
-            return
+        there is a key (agents/risk.py, ``reads_escalations``): cases written while escalation was on
+        are still asked after it was turned off."""
         from aiokafka import AIOKafkaConsumer, TopicPartition
 
         consumer = AIOKafkaConsumer(

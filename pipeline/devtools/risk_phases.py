@@ -27,6 +27,7 @@ import asyncio
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from pipeline.devtools.bench.common import BENCH_DIR, BenchEnv
 from pipeline.devtools.broker import EmbeddedKafka
 from pipeline.devtools.deployment import Samples
 from pipeline.metrics import scrape
+from pipeline.risk.records import RiskDecision
 
 
 def _gc2(samples: Samples) -> tuple[float, float]:
@@ -44,6 +46,12 @@ def _gc2(samples: Samples) -> tuple[float, float]:
         samples.get(("surge_gc_pause_seconds_count", key), 0.0),
         samples.get(("surge_gc_pause_seconds_sum", key), 0.0),
     )
+
+
+def _ms(decision: RiskDecision) -> float:
+    """A decision's produce-to-decision time, ms (decisions with timings only)."""
+    assert decision.timings is not None
+    return float(decision.timings.produce_to_decision_ms)
 
 
 def _quantile(values: list[float], q: float) -> float | None:
@@ -120,18 +128,11 @@ def run_phases(
                 low_decisions = [
                     x for x in collector.decisions() if x.timings is not None and x.event_id in ids
                 ]
-                lat = [float(x.timings.produce_to_decision_ms) for x in low_decisions if x.timings]
+                lat = [_ms(x) for x in low_decisions]
                 escalated = [x for x in low_decisions if x.escalation is not None]
-                esc_lat = [float(x.timings.produce_to_decision_ms) for x in escalated if x.timings]
-                rest_lat = [
-                    float(x.timings.produce_to_decision_ms)
-                    for x in low_decisions
-                    if x.timings and x.escalation is None
-                ]
-                outcomes: dict[str, int] = {}
-                for x in escalated:
-                    assert x.escalation is not None
-                    outcomes[x.escalation.outcome] = outcomes.get(x.escalation.outcome, 0) + 1
+                esc_lat = [_ms(x) for x in escalated]
+                rest_lat = [_ms(x) for x in low_decisions if x.escalation is None]
+                outcomes = Counter(x.escalation.outcome for x in escalated if x.escalation is not None)
             finally:
                 await producer.stop()
                 await collector.stop()
@@ -149,7 +150,7 @@ def run_phases(
                 **(
                     {
                         "low_escalated": len(escalated),
-                        "low_escalation_outcomes": outcomes,
+                        "low_escalation_outcomes": dict(outcomes),
                         **{
                             f"low_escalated_p{int(q * 100)}_ms": _quantile(esc_lat, q)
                             for q in (0.5, 0.9, 0.99)

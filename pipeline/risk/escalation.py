@@ -142,47 +142,64 @@ def final_decision(
     InferenceReply (as a dict), or None when none came within ``policy.wait_max_ms``. Apart from
     its timings the result depends on nothing else, so a reply sent again gives the same decision.
     """
-    decision, path = local["decision"], "local"
-    reasons = list(local.get("reasons", []))
+    decision = local["decision"]
+    path: Literal["local", "model"] = "local"
     answer: str | None = None
     outcome: Outcome
     if reply is None:
         outcome = "unanswered"
-        reasons.append(f"model path: no reply within {policy.wait_max_ms} ms of the event; decided locally")
+        reason = f"model path: no reply within {policy.wait_max_ms} ms of the event; decided locally"
     elif reply.get("status") != "ok":
         outcome = "error"
         err = reply.get("error") or {}
-        reasons.append(f"model path: {err.get('code', 'error')} ({err.get('message', '')}); decided locally")
+        reason = f"model path: {err.get('code', 'error')} ({err.get('message', '')}); decided locally"
     elif reply.get("served_from") == "template" or reply.get("finish_reason") == "template":
         outcome = "template"
-        reasons.append("model path: a template answer (the request path is degraded); decided locally")
+        reason = "model path: a template answer (the request path is degraded); decided locally"
     else:
         text = reply.get("answer") or ""
         parsed = parse_answer(text)
         if parsed is None:
             outcome = "unparsed"
-            reasons.append(f"model path: answer names no decision ({_excerpt(text)!r}); decided locally")
+            reason = f"model path: answer names no decision ({_excerpt(text)!r}); decided locally"
         elif SEVERITY[parsed] < SEVERITY[decision] and not policy.may_lower:
             outcome = "not_applied"
             answer = parsed
-            reasons.append(
+            reason = (
                 f"model path said {parsed}, milder than {decision}: not applied "
                 f"(SURGE_RISK_ESCALATION_MAY_LOWER is off): {_excerpt(text)!r}"
             )
         else:
             outcome = "answered"
             answer, decision, path = parsed, parsed, "model"
-            reasons.append(f"model path ({reply.get('model_version') or 'model'}): {_excerpt(text)!r}")
+            reason = f"model path ({reply.get('model_version') or 'model'}): {_excerpt(text)!r}"
+    final = _decided(local, decision, path, reason, outcome, answer, rid=rid, decided_ms=decided_ms)
+    return final, outcome
+
+
+def _decided(
+    local: dict[str, Any],
+    decision: str,
+    path: Literal["local", "model"],
+    reason: str,
+    outcome: Outcome,
+    answer: str | None,
+    *,
+    rid: str,
+    decided_ms: int,
+) -> dict[str, Any]:
+    """The local decision record made final: the decision and path, one reason more, the escalation's
+    account and the timings from the local decision to this one."""
     timings = dict(local.get("timings") or {})
     if timings:
         escalated_at = timings.get("decided_ms", decided_ms)
         timings["escalation_ms"] = max(0, decided_ms - escalated_at)
         timings["decided_ms"] = decided_ms
         timings["produce_to_decision_ms"] = max(0, decided_ms - timings.get("produced_ms", decided_ms))
-    final = {
+    return {
         **local,
         "decision": decision,
-        "reasons": reasons,
+        "reasons": [*local.get("reasons", []), reason],
         "path": path,
         "escalation": {
             "request_id": rid,
@@ -192,7 +209,6 @@ def final_decision(
         },
         "timings": timings or None,
     }
-    return final, outcome
 
 
 def request_record(
@@ -235,11 +251,10 @@ def no_time_decision(
     local: dict[str, Any], policy: EscalationPolicy, *, rid: str, left_ms: int, decided_ms: int
 ) -> dict[str, Any]:
     """The decision of a case whose budget was spent before it could be asked (``left_ms`` <= 0)."""
-    final, _ = final_decision(local, None, policy, rid=rid, decided_ms=decided_ms)
-    final["reasons"] = [
-        *local.get("reasons", []),
+    reason = (
         f"model path: not asked, the {policy.budget_ms} ms budget was spent {-left_ms} ms before; "
-        "decided locally",
-    ]
-    final["escalation"]["outcome"] = "no_time"
-    return final
+        "decided locally"
+    )
+    return _decided(
+        local, local["decision"], "local", reason, "no_time", None, rid=rid, decided_ms=decided_ms
+    )
