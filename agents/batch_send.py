@@ -47,10 +47,10 @@ class BatchSender:
         self._locks: dict[str, asyncio.Lock] = {}
 
     async def send(
-        self, topic: str, by_partition: Mapping[int, Sequence[tuple[bytes | None, bytes]]]
+        self, topic: str, by_partition: Mapping[int, Sequence[tuple[bytes | None, bytes | None]]]
     ) -> list[SentBatch]:
-        """Queue ``(key, value)`` records per partition of ``topic`` in as few batches as the
-        producer's batch size allows (a record larger than that gets a batch of its own), in the
+        """Queue ``(key, value)`` records (a None value: a tombstone) per partition of ``topic`` in as
+        few batches as the producer's batch size allows (a record larger than that gets a batch of its own), in the
         order given per partition."""
         lock = self._locks.get(topic)
         if lock is None:
@@ -62,7 +62,7 @@ class BatchSender:
 async def send_batches(
     producer: AIOKafkaProducer,
     topic: str,
-    by_partition: Mapping[int, Sequence[tuple[bytes | None, bytes]]],
+    by_partition: Mapping[int, Sequence[tuple[bytes | None, bytes | None]]],
 ) -> list[SentBatch]:
     """Queue ``(key, value)`` records per partition of ``topic`` as whole batches. Waits while the
     producer holds a batch of that partition not yet sent; a caller that is not the topic's only

@@ -37,12 +37,14 @@ from agents.runtime import Runtime, event_context, unacked
 from pipeline.admin import ensure_topics
 from pipeline.app import create_app, table_store_options
 from pipeline.client import partitions_of
-from pipeline.compat import kafka_producer, producer_partitions_for
+from pipeline.compat import delete_in_partition, kafka_producer, producer_partitions_for, scan_partition
 from pipeline.kafka_security import client_options
 from pipeline.metrics import create_metrics
+from pipeline.ratelimit import SweepSchedule
 from pipeline.records import now_ms
 from pipeline.risk import jsonio
 from pipeline.risk.decide import Thresholds, decide
+from pipeline.risk.expiry import SWEEP_EVERY, SWEEP_KEYS, expired_keys
 from pipeline.risk.features import FeatureConfig, cents
 from pipeline.risk.records import (
     ENTITY_KINDS,
@@ -139,6 +141,7 @@ def feature_config(s: Settings) -> FeatureConfig:
         small_amount_cents=cents(s.risk_small_amount),
         dedup_ids=s.risk_dedup_ids,
         seen_max=s.risk_seen_max,
+        state_ttl_ms=s.risk_state_ttl_s * 1000,
     )
 
 
@@ -235,6 +238,8 @@ class RiskAgents:
             pending = self.pending[kind] = {}
             self.stages[kind] = Stage(kind, self.cfg, s.partitions, cache, self._loader(table, pending))
         self._counted = {k: (0, 0) for k in ENTITY_KINDS}
+        #: per stage, where the sweep of expired states looks next in each partition's store
+        self.sweeps = {k: SweepSchedule(every=SWEEP_EVERY, keys=SWEEP_KEYS) for k in ENTITY_KINDS}
         self._changelogs: dict[str, str] = {}
         self._sender: BatchSender | None = None
         #: per stage, the records read and not yet processed
@@ -540,9 +545,9 @@ class RiskAgents:
         futures: list[Awaitable[Any]] = []
         batch: list[tuple[dict[str, Any], Any]] = []
         positions: list[Position] = []
+        now = now_ms()
         if kind == "account":
             rv = self.book.current.version
-            now = now_ms()
             for ev in events:
                 msg = ev.message
                 try:
@@ -568,7 +573,10 @@ class RiskAgents:
                 positions += [(msg.partition, msg.offset, i) for i in range(len(items))]
         if self.rt.acker.generation != generation:
             return futures, []
-        res = self.stages[kind].run(batch, positions, self._end_of(events[0].message.topic))
+        futures += await self._sweep(kind, positions, now)
+        res = self.stages[kind].run(batch, positions, self._end_of(events[0].message.topic), now)
+        if res.expired:
+            self.metrics.states_expired.labels(kind=kind, how="read").inc(res.expired)
         self.reread_skipped += res.reread
         self.resent_skipped += res.resent
         futures += await self._emit(res)
@@ -581,6 +589,36 @@ class RiskAgents:
             writes.append((key, data, ctx))
         self._count_cache(kind)
         return futures, writes
+
+    async def _sweep(self, kind: str, positions: Sequence[Position], now: int) -> list[Awaitable[Any]]:
+        """Delete expired states from the stores of the batch's partitions, a few keys per item
+        (:mod:`pipeline.risk.expiry`), with their changelog tombstones; the tombstones' acks.
+        Synchronous up to the send: no batch of this stage runs between the look and the delete, and
+        a state a batch in flight changed (``pending``) is left for that batch to replace."""
+        ttl_ms = self.s.risk_state_ttl_s * 1000
+        if ttl_ms <= 0 or not positions:
+            return []
+        sched, table = self.sweeps[kind], self.tables[kind]
+        pending, cache = self.pending[kind], self.caches[kind]
+        tombstones: dict[int, list[tuple[bytes | None, bytes | None]]] = {}
+        for partition, items in Counter(p[0] for p in positions).items():
+            if not sched.due_after(partition, items):
+                continue
+            chunk = scan_partition(table, partition, sched.cursor(partition), sched.keys)
+            sched.moved(partition, chunk[-1][0] if chunk else None, len(chunk))
+            gone = []
+            for raw in expired_keys(chunk, now, ttl_ms):
+                key = jsonio.loads(raw)
+                if key not in pending:
+                    gone.append(raw)
+                    cache.discard(key)
+            if gone:
+                delete_in_partition(table, partition, gone)
+                tombstones[partition] = [(raw, None) for raw in gone]
+        if not tombstones:
+            return []
+        self.metrics.states_expired.labels(kind=kind, how="swept").inc(sum(map(len, tombstones.values())))
+        return [b.ack for b in await self._batch_sender().send(self._changelog_topic(kind), tombstones)]
 
     def _end_of(self, topic: str) -> Callable[[int], int | None]:
         """The end offset (high watermark) of a partition of ``topic`` as the consumer last saw it: a

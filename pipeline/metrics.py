@@ -48,6 +48,7 @@ METRIC_NAMES = (
         "surge_risk_late_events_total",
         "surge_risk_feature_cache_total",
         "surge_risk_escalations_total",
+        "surge_risk_states_expired_total",
     ),
 )
 #: produce-to-decision latency of the risk path (its SLA is 200 ms, its target 100 ms)
@@ -65,6 +66,7 @@ class RiskMetrics:
     late_events: Counter
     feature_cache: Counter
     escalations: Counter
+    states_expired: Counter
 
 
 def create_risk_metrics(r: CollectorRegistry) -> RiskMetrics:
@@ -99,6 +101,13 @@ def create_risk_metrics(r: CollectorRegistry) -> RiskMetrics:
             ["outcome"],
             registry=r,
         ),
+        states_expired=Counter(
+            "surge_risk_states_expired",
+            "Entity states not changed for SURGE_RISK_STATE_TTL_S: found expired when read (the "
+            "entity starts again empty), or deleted by the sweep",
+            ["kind", "how"],
+            registry=r,
+        ),
     )
     from pipeline.risk.escalation import OUTCOMES
 
@@ -111,6 +120,8 @@ def create_risk_metrics(r: CollectorRegistry) -> RiskMetrics:
     for kind in ENTITY_KINDS:
         for result in ("hit", "miss"):
             m.feature_cache.labels(kind=kind, result=result)
+        for how in ("read", "swept"):
+            m.states_expired.labels(kind=kind, how=how)
     return m
 
 

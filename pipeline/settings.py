@@ -463,6 +463,15 @@ class Settings(BaseSettings):
     risk_seen_max: int = Field(
         64, ge=1, le=4096, description="devices and countries an account remembers for first-seen features"
     )
+    risk_state_ttl_s: int = Field(
+        2_592_000,
+        ge=0,
+        description=(
+            "an entity state not changed for this long (worker clock, 30 days by default) expires: the "
+            "entity's next event starts from an empty state, and a sweep deletes it from the table and "
+            "its changelog (docs/architecture.md, 'Risk: state expiry'); 0 = states never expire"
+        ),
+    )
     risk_batch_max_records: int = Field(
         500,
         ge=1,

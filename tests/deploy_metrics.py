@@ -49,6 +49,7 @@ DESIGN_METRICS: dict[str, str] = {
     "surge_risk_late_events_total": "counter",
     "surge_risk_feature_cache_total": "counter",
     "surge_risk_escalations_total": "counter",
+    "surge_risk_states_expired_total": "counter",
     "surge_gc_pause_seconds": "histogram",
 }
 

@@ -38,23 +38,26 @@ def _state() -> EntityState:
 def test_a_state_is_the_same_bytes_the_standard_library_wrote_and_reads_back() -> None:
     st = _state()
     st.pos = (3, 1041, 7)
+    st.wrote = 1_700_000_100_000
     doc = {"h": st.head, "t": [list(ts.items()) for ts in st.tiles], "s": st.seen, "r": list(st.recent)}
-    assert st.dumps() == risk_serialisation._stdlib_dumps({**doc, "p": [3, 1041, 7]})
+    assert st.dumps() == risk_serialisation._stdlib_dumps({"w": st.wrote, **doc, "p": [3, 1041, 7]})
     back = EntityState.loads(st.dumps(), SPECS["account"], CFG)
-    assert (back.head, back.tiles, back.seen, list(back.recent), back.pos) == (
+    assert (back.head, back.tiles, back.seen, list(back.recent), back.pos, back.wrote) == (
         st.head,
         st.tiles,
         st.seen,
         list(st.recent),
         (3, 1041, 7),
+        1_700_000_100_000,
     )
-    # a state written before orjson and before positions (tables and changelogs hold such) reads back
+    # a state written before orjson, positions and expiry (tables and changelogs hold such) reads back
     old = EntityState.loads(risk_serialisation._stdlib_dumps(doc), SPECS["account"], CFG)
-    assert (old.head, old.tiles, old.seen, list(old.recent), old.pos) == (
+    assert (old.head, old.tiles, old.seen, list(old.recent), old.pos, old.wrote) == (
         st.head,
         st.tiles,
         st.seen,
         list(st.recent),
+        None,
         None,
     )
 

@@ -43,6 +43,9 @@ class FeatureConfig:
     dedup_ids: int = 16
     #: devices and countries an account remembers for the first-seen features
     seen_max: int = 64
+    #: a state not changed for this long (worker clock) is expired: its entity starts again empty,
+    #: and the sweep deletes it (docs/architecture.md, "Risk: state expiry"); 0 = never
+    state_ttl_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +103,13 @@ class EntityState:
     dozens of sets and lists (a full collection stopped the event loop for about 0.4 s each with sets;
     docs/architecture.md, "Risk: features")."""
 
-    __slots__ = ("head", "pos", "recent", "seen", "tiles", "ups")
+    __slots__ = ("head", "pos", "recent", "seen", "tiles", "ups", "wrote")
 
     def __init__(self, spec: EntitySpec, cfg: FeatureConfig) -> None:
         self.head: int | None = None
+        #: when an online stage last changed the state (worker clock, ms; None offline): what its
+        #: expiry counts from (:mod:`pipeline.risk.expiry`)
+        self.wrote: int | None = None
         #: where the last input this state took came from: (partition, offset, index in the record);
         #: set by the online stages (pipeline/risk/stages.py, ``Stage.run``), None offline
         self.pos: tuple[int, int, int] | None = None
@@ -116,11 +122,13 @@ class EntityState:
         self.recent: deque[str] = deque(maxlen=cfg.dedup_ids)
 
     def dumps(self) -> bytes:
-        """Compact JSON bytes (what the RocksDB table and its changelog hold): ``{"h": head, "t": per
+        """Compact JSON bytes (what the RocksDB table and its changelog hold): ``{"w": when last
+        changed (first, so :func:`pipeline.risk.expiry.written_ms` reads it without decoding the rest), "h": head, "t": per
         window [[tile index, [count, cents, small, [values], ...]], ...], "s": seen, "r": recent ids,
         "p": [partition, offset, index] of the last input taken, or null, "u": [[upstream kind index,
         partition, offset, index], ...]}`` ("u" only when not empty)."""
         doc: dict[str, Any] = {
+            "w": self.wrote,
             "h": self.head,
             "t": [list(ts.items()) for ts in self.tiles],
             "s": self.seen,
@@ -136,6 +144,7 @@ class EntityState:
         obj = jsonio.loads(data)
         st = cls(spec, cfg)
         st.head = obj["h"]
+        st.wrote = obj.get("w")  # absent in states written before expiry existed
         st.tiles = [{idx: (t[0], t[1], t[2], *map(tuple, t[3:])) for idx, t in ts} for ts in obj["t"]]
         st.seen = {f: tuple(obj["s"].get(f, ())) for f in spec.seen}
         st.recent.extend(obj["r"])

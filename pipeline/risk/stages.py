@@ -29,6 +29,7 @@ from typing import Any
 
 from pipeline.exceptions import SurgeError
 from pipeline.risk import jsonio
+from pipeline.risk.expiry import expired
 from pipeline.risk.features import DUP, LATE, NAMES, SPECS, EntityState, FeatureConfig, step
 from pipeline.risk.records import ENTITY_KINDS
 
@@ -167,6 +168,10 @@ class StateCache:
         while len(self._data) > self.max_entries:
             self._data.popitem(last=False)
 
+    def discard(self, key: str) -> None:
+        """Forget ``key`` (its state was deleted from the store)."""
+        self._data.pop(key, None)
+
     def clear(self) -> None:
         self._data.clear()
 
@@ -192,6 +197,8 @@ class StageResult:
     reread: int = 0
     #: of those, items an upstream stage sent again (at or before the position taken from it)
     resent: int = 0
+    #: entities whose state had expired (not changed for the TTL): they started again empty
+    expired: int = 0
 
 
 class Stage:
@@ -216,7 +223,12 @@ class Stage:
         self.cache = cache
         self.load = load
 
-    def state(self, key: str, ctx: Any) -> EntityState:
+    def state(self, key: str, ctx: Any, now_ms: int | None = None) -> tuple[EntityState, bool]:
+        """The entity's state (cached, stored, or new) and whether the one found had expired: not
+        changed for ``cfg.state_ttl_ms`` before ``now_ms`` (then a new one replaces it; the sweep
+        deletes such states from the store, and this rule makes a state the sweep has not reached
+        yet, or one restored from the changelog, read the same: docs/architecture.md,
+        "Risk: state expiry")."""
         st = self.cache.get(key)
         if st is None:
             raw = self.load(key, ctx)
@@ -226,15 +238,24 @@ class Stage:
                 else EntityState.loads(raw, self.spec, self.cfg)
             )
             self.cache.put(key, st)
-        return st
+        if now_ms is not None and expired(st.wrote, now_ms, self.cfg.state_ttl_ms):
+            st = EntityState(self.spec, self.cfg)
+            self.cache.put(key, st)
+            return st, True
+        return st, False
 
     def run(
         self,
         batch: Sequence[tuple[dict[str, Any], Any]],
         positions: Sequence[Position] | None = None,
         end_of: Callable[[int], int | None] | None = None,
+        now_ms: int | None = None,
     ) -> StageResult:
         """Step every item of ``batch`` (in order) through its entity's state.
+
+        ``now_ms``: the worker's clock (online): each state changed records it, and a state not
+        changed for ``cfg.state_ttl_ms`` before it starts again empty (:meth:`state`). None
+        offline: nothing expires.
 
         ``positions``: where each item was read, ``(partition, offset, index in the record)``. All of
         an entity's input comes from one partition of one topic (the one its id hashes to), in offset
@@ -263,7 +284,11 @@ class Stage:
             ev = item["e"]
             key = ev[kind]
             dirty = out.dirty.get(key)
-            st = dirty[0] if dirty is not None else self.state(key, ctx)
+            if dirty is not None:
+                st = dirty[0]
+            else:
+                st, was_expired = self.state(key, ctx, now_ms)
+                out.expired += was_expired
             pos = positions[i] if positions is not None else None
             if pos is not None:
                 last = st.pos
@@ -289,6 +314,7 @@ class Stage:
                 st.pos = pos
             if origin is not None:
                 st.ups[src] = at
+            st.wrote = now_ms
             out.dirty[key] = (st, ctx)
             if res.status == LATE:
                 out.late.append((item, res.watermark_ms or 0, ctx))
