@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import Counter
@@ -40,11 +41,10 @@ from pipeline.client import partitions_of
 from pipeline.compat import delete_in_partition, kafka_producer, producer_partitions_for, scan_partition
 from pipeline.kafka_security import client_options
 from pipeline.metrics import create_metrics
-from pipeline.ratelimit import SweepSchedule
 from pipeline.records import now_ms
 from pipeline.risk import jsonio
 from pipeline.risk.decide import Thresholds, decide
-from pipeline.risk.expiry import SWEEP_EVERY, SWEEP_KEYS, expired_keys
+from pipeline.risk.expiry import SweepPlan, sweep
 from pipeline.risk.features import FeatureConfig, cents
 from pipeline.risk.records import (
     ENTITY_KINDS,
@@ -239,7 +239,7 @@ class RiskAgents:
             self.stages[kind] = Stage(kind, self.cfg, s.partitions, cache, self._loader(table, pending))
         self._counted = {k: (0, 0) for k in ENTITY_KINDS}
         #: per stage, where the sweep of expired states looks next in each partition's store
-        self.sweeps = {k: SweepSchedule(every=SWEEP_EVERY, keys=SWEEP_KEYS) for k in ENTITY_KINDS}
+        self.sweeps = {k: SweepPlan() for k in ENTITY_KINDS}
         self._changelogs: dict[str, str] = {}
         self._sender: BatchSender | None = None
         #: per stage, the records read and not yet processed
@@ -573,7 +573,6 @@ class RiskAgents:
                 positions += [(msg.partition, msg.offset, i) for i in range(len(items))]
         if self.rt.acker.generation != generation:
             return futures, []
-        futures += await self._sweep(kind, positions, now)
         res = self.stages[kind].run(batch, positions, self._end_of(events[0].message.topic), now)
         if res.expired:
             self.metrics.states_expired.labels(kind=kind, how="read").inc(res.expired)
@@ -588,32 +587,33 @@ class RiskAgents:
             data = pending[key] = state.dumps()
             writes.append((key, data, ctx))
         self._count_cache(kind)
+        futures += await self._sweep(kind, positions, res.new, now)
         return futures, writes
 
-    async def _sweep(self, kind: str, positions: Sequence[Position], now: int) -> list[Awaitable[Any]]:
-        """Delete expired states from the stores of the batch's partitions, a few keys per item
-        (:mod:`pipeline.risk.expiry`), with their changelog tombstones; the tombstones' acks.
-        Synchronous up to the send: no batch of this stage runs between the look and the delete, and
-        a state a batch in flight changed (``pending``) is left for that batch to replace."""
+    async def _sweep(
+        self, kind: str, positions: Sequence[Position], new: dict[int, int], now: int
+    ) -> list[Awaitable[Any]]:
+        """Delete expired states from the stores of the batch's partitions, as many as they owe
+        (:class:`pipeline.risk.expiry.SweepPlan`), with their changelog tombstones; the tombstones'
+        acks. Called once the batch's changed states are in ``pending``, and synchronous up to the
+        send: a state a batch in flight changed (this one included) is left for that batch to write."""
         ttl_ms = self.s.risk_state_ttl_s * 1000
         if ttl_ms <= 0 or not positions:
             return []
-        sched, table = self.sweeps[kind], self.tables[kind]
+        plan, table = self.sweeps[kind], self.tables[kind]
         pending, cache = self.pending[kind], self.caches[kind]
         tombstones: dict[int, list[tuple[bytes | None, bytes | None]]] = {}
+
+        def busy(raw: bytes) -> bool:
+            return jsonio.loads(raw) in pending
+
         for partition, items in Counter(p[0] for p in positions).items():
-            if not sched.due_after(partition, items):
-                continue
-            chunk = scan_partition(table, partition, sched.cursor(partition), sched.keys)
-            sched.moved(partition, chunk[-1][0] if chunk else None, len(chunk))
-            gone = []
-            for raw in expired_keys(chunk, now, ttl_ms):
-                key = jsonio.loads(raw)
-                if key not in pending:
-                    gone.append(raw)
-                    cache.discard(key)
+            scan = functools.partial(scan_partition, table, partition)
+            gone = sweep(plan, partition, items, new.get(partition, 0), scan, now, ttl_ms, busy)
             if gone:
                 delete_in_partition(table, partition, gone)
+                for raw in gone:
+                    cache.discard(jsonio.loads(raw))
                 tombstones[partition] = [(raw, None) for raw in gone]
         if not tombstones:
             return []

@@ -283,16 +283,6 @@ class SweepSchedule:
         self._count[partition] = n
         return n % self.every == 0
 
-    def due_after(self, partition: int, items: int) -> bool:
-        """Called for ``items`` items of ``partition`` at once (a batch): whether to sweep now, at most
-        once per call (a batch larger than ``every`` leaves the surplus for the next)."""
-        n = self._count.get(partition, 0) + items
-        if n >= self.every:
-            self._count[partition] = min(n - self.every, self.every - 1)
-            return True
-        self._count[partition] = n
-        return False
-
     def cursor(self, partition: int) -> bytes | None:
         """The store key the next scan starts after (None: from the first)."""
         return self._cursor.get(partition)

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.ratelimit import SweepSchedule
-from pipeline.risk.expiry import expired, expired_keys, written_ms
+from pipeline.risk.expiry import SweepPlan, expired, expired_keys, sweep, written_ms
 from pipeline.risk.features import NAMES, SPECS, EntityState, FeatureConfig
 from pipeline.risk.stages import Stage, StateCache, new_item
 
@@ -115,13 +114,57 @@ def test_the_sweep_picks_expired_stored_states_only() -> None:
     assert expired_keys(entries, now, 0) == []
 
 
-def test_the_sweep_schedule_counts_a_batch_s_items_and_sweeps_once_per_call() -> None:
-    sched = SweepSchedule(every=10, keys=4)
-    assert not sched.due_after(0, 6)
-    assert sched.due_after(0, 6)  # 12 items: due, 2 carried over
-    assert not sched.due_after(1, 9)  # partitions count apart
-    assert sched.due_after(0, 8)
-    # a batch of many times ``every`` sweeps once, and carries over at most one more sweep's worth
-    assert sched.due_after(0, 1_000)
-    assert not sched.due_after(0, 0)
-    assert sched.due_after(0, 1)
+def test_the_plan_asks_two_keys_per_new_entity_and_a_little_per_item() -> None:
+    plan = SweepPlan(keys=64, per_new=2.0, per_item=1 / 64, max_keys=256)
+    assert plan.owe(0, 10, 31) == 0  # 62.2 owed
+    assert plan.owe(0, 1, 1) == 64  # 64.2: one look, 0.2 carried over
+    assert plan.owe(1, 64 * 63, 0) == 0  # partitions owe apart; items alone owe little (63)
+    assert plan.owe(1, 64, 0) == 64
+    # a batch of many new entities asks for several looks, at most max_keys, and carries the rest
+    assert plan.owe(0, 500, 500) == 256
+    assert plan.owe(0, 0, 0) == 256
+    assert plan.owe(0, 0, 0) == 256
+    assert plan.owe(0, 0, 0) == 192  # 1,000 + 7.8 + 0.2 owed in all
+    plan.moved(0, b'"k"', 64, 64)
+    assert plan.cursor(0) == b'"k"'
+    plan.moved(0, b'"z"', 10, 64)  # a short look reached the end: the next starts again
+    assert plan.cursor(0) is None
+
+
+def test_a_table_of_ever_new_entities_stays_within_about_twice_its_live_states() -> None:
+    """Every event a new account (the most a table can grow), one a millisecond, a TTL of a second:
+    about 1,000 states are live at any time; the sweep keeps the store near that, where without it
+    the store would hold all 20,000."""
+    ttl_ms, n = 1_000, 20_000
+    cfg = FeatureConfig(state_ttl_ms=ttl_ms)
+    store: dict[bytes, bytes] = {}
+    stage = Stage("account", cfg, 1, StateCache(0), lambda key, _ctx: store.get(f'"{key}"'.encode()))
+    plan, largest = SweepPlan(), 0
+
+    def scan(after: bytes | None, limit: int) -> list[tuple[bytes, bytes | None]]:
+        keys = sorted(k for k in store if after is None or k > after)[:limit]
+        return [(k, store[k]) for k in keys]
+
+    for i in range(n):
+        now = T0 + i
+        e = {**ev(i, now, account=f"acct-{i * 7919 % n:05d}"), "card": None}
+        res = stage.run([(new_item(e, "v1", now, now), None)], [(0, i, 0)], now_ms=now)
+        for key, (st, _) in res.dirty.items():
+            store[f'"{key}"'.encode()] = st.dumps()
+        for key in sweep(plan, 0, 1, res.new.get(0, 0), scan, now, ttl_ms, lambda _k: False):
+            del store[key]
+        largest = max(largest, len(store))
+    assert res.new == {0: 1}
+    assert 1_000 < largest <= 2_200, largest
+
+
+def test_the_sweep_leaves_a_state_a_batch_in_flight_changed() -> None:
+    stale = EntityState(SPECS["ip"], CFG)
+    stale.wrote = T0
+    entries = [(b'"a"', stale.dumps()), (b'"b"', stale.dumps())]
+    plan = SweepPlan(keys=2)
+    gone = sweep(plan, 0, 0, 1, lambda _after, _n: entries, T0 + TTL_MS + 1, TTL_MS, lambda k: k == b'"b"')
+    assert gone == [b'"a"']
+    assert (
+        sweep(SweepPlan(keys=2), 0, 0, 1, lambda _a, _n: entries, T0 + TTL_MS + 1, 0, lambda _k: False) == []
+    )

@@ -13,7 +13,6 @@ import pytest
 from agents.risk import changelog_topic
 from pipeline.metrics import scrape
 from pipeline.records import now_ms
-from pipeline.risk.expiry import SWEEP_EVERY
 from pipeline.risk.records import ENTITY_KINDS
 from pipeline.risk.stages import partition_for
 from tests.test_risk_integration import PARTITIONS, decide_all, on_partition, start
@@ -49,7 +48,7 @@ def event(eid: str, ids: dict[str, str], t: int) -> dict[str, Any]:
 
 def fillers(like: dict[str, str], n: int, t: int) -> list[dict[str, Any]]:
     """``n`` events of new entities that land, in every stage, on the partition of ``like``'s entity
-    of that kind: they drive that partition's sweep (every ``SWEEP_EVERY`` items)."""
+    of that kind: they drive that partition's sweep (two keys per new entity)."""
     ids = {
         kind: on_partition(f"zz-{kind}-", partition_for(like[kind], PARTITIONS), n) for kind in ENTITY_KINDS
     }
@@ -77,10 +76,10 @@ async def test_expired_states_read_as_new_entities_and_the_sweep_deletes_them(de
     for kind in ENTITY_KINDS:
         assert m[("surge_risk_states_expired_total", (("how", "read"), ("kind", kind)))] == 1
 
-    # b's states are left alone until the sweep of their partitions comes round: two sweeps' worth of
-    # items on each of them, with a live entity changed just before and read just after
+    # b's states are left alone until the sweep of their partitions comes round: new entities on
+    # each of them (owing 300 keys there), with a live entity changed just before and read just after
     await decide_all(c, [event("live1", live, t + 3_000)])
-    await decide_all(c, fillers(b, 2 * SWEEP_EVERY + 10, t + 4_000))
+    await decide_all(c, fillers(b, 150, t + 4_000))
     live2 = (await decide_all(c, [event("live2", live, t + 5_000)]))["live2"]
     assert counts(live2) == dict.fromkeys(ENTITY_KINDS, 1)  # not deleted, not reset
 

@@ -37,6 +37,8 @@ from pipeline.risk.records import ENTITY_KINDS
 REKEYED_KINDS: tuple[str, ...] = ENTITY_KINDS[1:]
 #: where a stage read an item: (partition, offset of its record, index of the item in that record)
 Position = tuple[int, int, int]
+#: where :meth:`Stage.state` found a state
+FOUND, NEW, EXPIRED = "found", "new", "expired"
 
 
 class RepartitionRecordError(SurgeError):
@@ -199,6 +201,9 @@ class StageResult:
     resent: int = 0
     #: entities whose state had expired (not changed for the TTL): they started again empty
     expired: int = 0
+    #: entities with no state yet, by the input partition of the item that made them (where their
+    #: state is stored; the sweep's pace, :class:`pipeline.risk.expiry.SweepPlan`)
+    new: dict[int, int] = field(default_factory=dict)
 
 
 class Stage:
@@ -223,26 +228,25 @@ class Stage:
         self.cache = cache
         self.load = load
 
-    def state(self, key: str, ctx: Any, now_ms: int | None = None) -> tuple[EntityState, bool]:
-        """The entity's state (cached, stored, or new) and whether the one found had expired: not
-        changed for ``cfg.state_ttl_ms`` before ``now_ms`` (then a new one replaces it; the sweep
-        deletes such states from the store, and this rule makes a state the sweep has not reached
-        yet, or one restored from the changelog, read the same: docs/architecture.md,
-        "Risk: state expiry")."""
+    def state(self, key: str, ctx: Any, now_ms: int | None = None) -> tuple[EntityState, str]:
+        """The entity's state and where it came from: FOUND (cached or stored), NEW (none yet), or
+        EXPIRED: the one found was not changed for ``cfg.state_ttl_ms`` before ``now_ms``, and a new
+        one replaces it (the sweep deletes such states from the store; this rule makes a state the
+        sweep has not reached yet, or one restored from the changelog, read the same:
+        docs/architecture.md, "Risk: state expiry")."""
         st = self.cache.get(key)
+        how = FOUND
         if st is None:
             raw = self.load(key, ctx)
-            st = (
-                EntityState(self.spec, self.cfg)
-                if raw is None
-                else EntityState.loads(raw, self.spec, self.cfg)
-            )
+            if raw is None:
+                st, how = EntityState(self.spec, self.cfg), NEW
+            else:
+                st = EntityState.loads(raw, self.spec, self.cfg)
             self.cache.put(key, st)
         if now_ms is not None and expired(st.wrote, now_ms, self.cfg.state_ttl_ms):
-            st = EntityState(self.spec, self.cfg)
+            st, how = EntityState(self.spec, self.cfg), EXPIRED
             self.cache.put(key, st)
-            return st, True
-        return st, False
+        return st, how
 
     def run(
         self,
@@ -284,12 +288,15 @@ class Stage:
             ev = item["e"]
             key = ev[kind]
             dirty = out.dirty.get(key)
+            pos = positions[i] if positions is not None else None
             if dirty is not None:
                 st = dirty[0]
             else:
-                st, was_expired = self.state(key, ctx, now_ms)
-                out.expired += was_expired
-            pos = positions[i] if positions is not None else None
+                st, how = self.state(key, ctx, now_ms)
+                if how == EXPIRED:
+                    out.expired += 1
+                elif how == NEW and pos is not None:
+                    out.new[pos[0]] = out.new.get(pos[0], 0) + 1
             if pos is not None:
                 last = st.pos
                 if last is not None and last[0] == pos[0] and pos <= last:
