@@ -141,6 +141,7 @@ def feature_config(s: Settings) -> FeatureConfig:
         small_amount_cents=cents(s.risk_small_amount),
         dedup_ids=s.risk_dedup_ids,
         seen_max=s.risk_seen_max,
+        distinct_max=s.risk_distinct_max,
         state_ttl_ms=s.risk_state_ttl_s * 1000,
     )
 

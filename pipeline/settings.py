@@ -463,6 +463,15 @@ class Settings(BaseSettings):
     risk_seen_max: int = Field(
         64, ge=1, le=4096, description="devices and countries an account remembers for first-seen features"
     )
+    risk_distinct_max: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description=(
+            "distinct values a risk window tile keeps per field: a distinct-count feature (an ip's accounts, "
+            "a device's cards) is the count up to this, so a shared IP cannot grow its state without bound"
+        ),
+    )
     risk_state_ttl_s: int = Field(
         2_592_000,
         ge=0,

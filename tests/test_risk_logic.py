@@ -267,11 +267,14 @@ def test_engine_equals_the_brute_force_recomputation(share: float) -> None:
     ),
     st.integers(0, 30_000),
     st.integers(1, 3),
+    st.integers(1, 5),
 )
 def test_any_order_matches_the_brute_force(
-    rows: list[tuple[int, int, float]], horizon: int, dedup: int
+    rows: list[tuple[int, int, float]], horizon: int, dedup: int, distinct_max: int
 ) -> None:
-    cfg = FeatureConfig(grace_ms=20_000, horizon_ms=horizon, dedup_ids=dedup, seen_max=2)
+    cfg = FeatureConfig(
+        grace_ms=20_000, horizon_ms=horizon, dedup_ids=dedup, seen_max=2, distinct_max=distinct_max
+    )
     events = [
         ev(i, T0 + t, device=f"d{d}", country=["DE", "FR", "IT", "ES"][d], amount=a)
         for i, (t, d, a) in enumerate(rows)
@@ -285,6 +288,24 @@ def test_any_order_matches_the_brute_force(
     for eid, f in want.items():
         assert not compare(got[eid][1], f)
     assert {eid for eid, (s, _) in got.items() if s == LATE} == late
+
+
+def test_a_shared_ip_s_distinct_counts_stop_at_the_cap_and_its_state_stays_small() -> None:
+    """2,000 accounts through one IP within a minute (a carrier's NAT, or a client making up ids):
+    the distinct count reads the cap, each tile keeps at most the cap, the state stays a few KB,
+    and the brute force agrees on every event."""
+    cfg = FeatureConfig(distinct_max=64)
+    events = [ev(i, T0 + 20 * i, account=f"acct-{i}", card=f"card-{i}", ip="10.1.2.3") for i in range(2_000)]
+    eng = FeatureEngine(cfg)
+    got = {e["event_id"]: eng.process(e)[1] for e in events}
+    want, _ = recompute("ip", events, cfg)
+    assert all(not compare(got[eid] or {}, f) for eid, f in want.items())
+    last = got[events[-1]["event_id"]] or {}
+    assert last["ip_distinct_account_1m"] == last["ip_distinct_account_24h"] == 64
+    assert last["ip_count_1m"] == 1_999  # counts are not capped: every earlier event, 40 s in all
+    state = eng.states["ip"]["10.1.2.3"]
+    assert all(len(vs) <= 64 for tiles in state.tiles for tile in tiles.values() for vs in tile[3:])
+    assert len(state.dumps()) < 32_000
 
 
 # ---- re-keying and the chain ---------------------------------------------------------------------

@@ -43,6 +43,10 @@ class FeatureConfig:
     dedup_ids: int = 16
     #: devices and countries an account remembers for the first-seen features
     seen_max: int = 64
+    #: distinct values a tile keeps per field: a distinct-count feature is the count up to this (a
+    #: shared IP's thousands of accounts would otherwise make its state, and each read, grow without
+    #: bound: docs/architecture.md, "Risk: features")
+    distinct_max: int = 64
     #: a state not changed for this long (worker clock) is expired: its entity starts again empty,
     #: and the sweep deletes it (docs/architecture.md, "Risk: state expiry"); 0 = never
     state_ttl_ms: int = 0
@@ -198,6 +202,7 @@ def step(spec: EntitySpec, cfg: FeatureConfig, state: EntityState, ev: dict[str,
     amount = cents(ev["amount"])
     fields = spec.distinct
     nf = len(fields)
+    cap = cfg.distinct_max
     small_on = spec.small
     is_small = int(small_on and 0 < amount <= cfg.small_amount_cents)
     values = [ev[f] for f in fields]
@@ -231,7 +236,7 @@ def step(spec: EntitySpec, cfg: FeatureConfig, state: EntityState, ev: dict[str,
                 out.append(total / 100)
                 if small_on:
                     out.append(small)
-                out += [len(x) for x in one[3:]]
+                out += [n if (n := len(x)) <= cap else cap for x in one[3:]]
             else:
                 for tile in chosen:
                     count += tile[0]
@@ -242,7 +247,8 @@ def step(spec: EntitySpec, cfg: FeatureConfig, state: EntityState, ev: dict[str,
                 if small_on:
                     out.append(small)
                 for k in range(3, 3 + nf):
-                    out.append(len(set().union(*[tile[k] for tile in chosen])))
+                    n = len(set().union(*[tile[k] for tile in chosen]))
+                    out.append(n if n <= cap else cap)
             # prune tiles below the floor (no later event reads them): tiles are mostly added in
             # order, so the first is the oldest; a full sweep when there are more than kept
             if next(iter(tiles)) < floor or len(tiles) > kept:
@@ -258,7 +264,7 @@ def step(spec: EntitySpec, cfg: FeatureConfig, state: EntityState, ev: dict[str,
                     cur[1] + amount,
                     cur[2] + is_small,
                     *[
-                        vs if v is None or v in vs else (*vs, v)
+                        vs if v is None or v in vs or len(vs) >= cap else (*vs, v)
                         for v, vs in zip(values, cur[3:], strict=True)
                     ],
                 )

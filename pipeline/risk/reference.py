@@ -10,7 +10,8 @@ An event counts in the window of a later event ``x`` of the same entity when its
 tile size) lies in ``[tile(x) - tiles + 1, tile(x)]`` and is not below the floor kept behind the
 entity's head as of ``x`` (the latest event time among the entity's events up to and including ``x``).
 Duplicates (an event id seen before by that entity) are skipped; on the account, an event more than
-the grace period behind the account's head is late and skipped.
+the grace period behind the account's head is late and skipped. A distinct count is the count up to
+``distinct_max``.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def recompute(
                     sum(1 for p in inside if 0 < round(p["amount"] * 100) <= cfg.small_amount_cents)
                 )
             for f in spec.distinct:
-                values.append(len({p[f] for p in inside if p[f] is not None}))
+                values.append(min(len({p[f] for p in inside if p[f] is not None}), cfg.distinct_max))
         values.append(max(0, t - max(p["event_time_ms"] for p in past)) / 1000 if past else None)
         if kind == "account":
             day = [p for p in past if _in_last_window(p, t, head, cfg)]
