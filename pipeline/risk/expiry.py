@@ -1,5 +1,6 @@
-"""Entity states that expire: the rule, and what the sweep deletes (docs/architecture.md,
-"Risk: state expiry").
+"""Entity states that expire: the rule, and what the sweep deletes.
+
+docs/architecture.md, "Risk: state expiry".
 
 A state not changed for the TTL (by the worker's clock, as Flink's state TTL counts) has expired: its
 entity's next event starts from an empty state, as a new entity's would. The rule is applied where a
