@@ -50,8 +50,8 @@ class BatchSender:
         self, topic: str, by_partition: Mapping[int, Sequence[tuple[bytes | None, bytes | None]]]
     ) -> list[SentBatch]:
         """Queue ``(key, value)`` records (a None value: a tombstone) per partition of ``topic`` in as
-        few batches as the producer's batch size allows (a record larger than that gets a batch of its own), in the
-        order given per partition."""
+        few batches as the producer's batch size allows (a record larger than that gets a batch of its
+        own), in the order given per partition."""
         lock = self._locks.get(topic)
         if lock is None:
             lock = self._locks[topic] = asyncio.Lock()

@@ -239,19 +239,16 @@ def scan_partition(table: Any, partition: int, after: bytes | None, limit: int) 
     return out
 
 
-def delete_in_partition(table: Any, partition: int, raw_keys: Iterable[bytes]) -> int:
+def delete_in_partition(table: Any, partition: int, raw_keys: Iterable[bytes]) -> None:
     """Delete raw keys from ``table``'s local RocksDB store for ``partition`` (the store only: the
-    caller sends the changelog's tombstones); how many. Faust deletes through the current event's
+    caller sends the changelog's tombstones). Faust deletes through the current event's
     partition only; private: ``faust.stores.rocksdb.Store._dbs`` (rocksdict ``Rdict.delete``)."""
     dbs: Mapping[int, Any] = getattr(table.data, "_dbs", {})
     db = dbs.get(partition)
     if db is None:
-        return 0
-    n = 0
+        return
     for key in raw_keys:
         db.delete(key)
-        n += 1
-    return n
 
 
 def set_fetch_max_wait(max_wait_ms: int, prefetch_backoff_ms: int | None = None) -> None:

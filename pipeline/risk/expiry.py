@@ -6,8 +6,9 @@ A state not changed for the TTL (by the worker's clock, as Flink's state TTL cou
 entity's next event starts from an empty state, as a new entity's would. The rule is applied where a
 state is read (:meth:`pipeline.risk.stages.Stage.state`), so a state the sweep has not reached yet,
 or one restored from the changelog after the sweep deleted it, reads the same as a deleted one. The
-sweep (``agents/risk.py``) only gives the space back: it walks each partition's store a few keys per
-event and deletes the expired states, with a tombstone on the changelog.
+sweep (:func:`sweep`, run by ``agents/risk.py``, paced by :class:`SweepPlan`) only gives the space
+back: it walks each partition's store in key order and deletes the expired states, with a tombstone
+on the changelog.
 
 Pure: standard library only.
 """
@@ -27,10 +28,10 @@ class SweepPlan:
     Every new entity a stage makes owes ``per_new`` keys of its partition's sweep, and every item
     ``per_item`` (so states expire from a table that no longer grows, too); once a partition owes
     ``keys`` or more, :meth:`owe` says how many (in whole ``keys``) and the sweep looks at that many
-    stored states from :meth:`cursor`, then reports with :meth:`moved`. Looking at two keys per new entity, a full pass
-    over a partition's S states comes round before S / 2 new ones have arrived, so a state is deleted
-    at most a pass after it expired and the table holds at most about twice its live states, however
-    fast new ids come; where they seldom come, the sweep costs next to nothing.
+    stored states from :meth:`cursor`, then reports with :meth:`moved`. Looking at two keys per new
+    entity, a full pass over a partition's S states comes round before S / 2 new ones have arrived,
+    so a state is deleted at most a pass after it expired and the table holds at most about twice its
+    live states, however fast new ids come; where they seldom come, the sweep costs next to nothing.
     """
 
     keys: int = 64
@@ -83,8 +84,6 @@ def expired_keys(entries: Iterable[tuple[bytes, bytes | None]], now_ms: int, ttl
     """The keys among ``entries`` (raw store keys and values) whose stored states have expired. The
     caller leaves out those a batch in flight has changed since (the store still holds their old
     state, which that batch replaces once the broker has its outputs)."""
-    if ttl_ms <= 0:
-        return []
     return [key for key, value in entries if value is not None and expired(written_ms(value), now_ms, ttl_ms)]
 
 

@@ -127,10 +127,10 @@ class EntityState:
 
     def dumps(self) -> bytes:
         """Compact JSON bytes (what the RocksDB table and its changelog hold): ``{"w": when last
-        changed (first, so :func:`pipeline.risk.expiry.written_ms` reads it without decoding the rest), "h": head, "t": per
-        window [[tile index, [count, cents, small, [values], ...]], ...], "s": seen, "r": recent ids,
-        "p": [partition, offset, index] of the last input taken, or null, "u": [[upstream kind index,
-        partition, offset, index], ...]}`` ("u" only when not empty)."""
+        changed (first, so :func:`pipeline.risk.expiry.written_ms` reads it without decoding the
+        rest), "h": head, "t": per window [[tile index, [count, cents, small, [values], ...]], ...],
+        "s": seen, "r": recent ids, "p": [partition, offset, index] of the last input taken, or null,
+        "u": [[upstream kind index, partition, offset, index], ...]}`` ("u" only when not empty)."""
         doc: dict[str, Any] = {
             "w": self.wrote,
             "h": self.head,
