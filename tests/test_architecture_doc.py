@@ -1,5 +1,6 @@
 """docs/architecture.md stays the repository's own description: what it lists matches the code, and
-every pointer into it names a section it has."""
+every pointer into it names a section it has; so does every pointer into the measurement log
+(docs/results/log.md), where README.md's results come from."""
 
 from __future__ import annotations
 
@@ -13,16 +14,18 @@ from pipeline.topics import TopicNames
 from tests.deploy_metrics import ARCHITECTURE, documented_metrics
 
 ROOT = ARCHITECTURE.parents[1]
-SCANNED = ("pipeline", "agents", "models", "tests", "deploy", "README.md")
+LOG = ROOT / "docs" / "results" / "log.md"
+SCANNED = ("pipeline", "agents", "models", "tests", "deploy", "README.md", "docs")
 
 #: files that still cite DESIGN.md (which only some readers have) until their owners update them
 NOT_YET_UPDATED: dict[str, str] = {}
 
 _POINTER = re.compile(r'docs/architecture\.md[,:]?\s*\(?\s*"([^"]+)"((?:\s*(?:,|and)\s*"[^"]+")*)')
+_LOG_POINTER = re.compile(r'docs/results/log\.md,\s*"([^"]+)"')
 
 
-def _headings() -> set[str]:
-    text = ARCHITECTURE.read_text(encoding="utf-8")
+def _headings(doc: Path = ARCHITECTURE) -> set[str]:
+    text = doc.read_text(encoding="utf-8")
     return {m.group(1).strip() for m in re.finditer(r"^#{2,3} (.+)$", text, flags=re.MULTILINE)}
 
 
@@ -47,6 +50,23 @@ def test_every_pointer_names_a_section() -> None:
             line = text.count("\n", 0, m.start()) + 1
             missing += [f"{path.relative_to(ROOT)}:{line}: {n!r}" for n in names if n not in headings]
     assert not missing, f"docs/architecture.md has no section named: {missing}; sections: {sorted(headings)}"
+
+
+def test_every_pointer_into_the_measurement_log_names_a_section() -> None:
+    # a log heading may end in when and how it was measured, "(2026-12-05, late)": a pointer may leave it out
+    headings = {h for full in _headings(LOG) for h in (full, full.split(" (")[0])}
+    found: list[str] = []
+    missing: list[str] = []
+    for path in _files():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for m in _LOG_POINTER.finditer(text):
+            name = " ".join(m.group(1).split())  # a pointer may wrap onto the next line
+            line = text.count("\n", 0, m.start()) + 1
+            found.append(name)
+            if name not in headings:
+                missing.append(f"{path.relative_to(ROOT)}:{line}: {name!r}")
+    assert found, "no pointer into docs/results/log.md found: is the pattern still right?"
+    assert not missing, f"docs/results/log.md has no section named: {missing}"
 
 
 def test_no_code_cites_design_md() -> None:

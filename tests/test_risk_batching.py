@@ -103,7 +103,7 @@ async def test_with_room_in_flight_each_arrival_is_a_batch_of_its_own() -> None:
 async def test_the_batch_window_starts_when_the_stage_takes_up_its_batch_not_at_the_first_arrival() -> None:
     # records that waited while the stage ran its last batch wait a whole window more, for company:
     # a window counted from the first arrival made smaller batches and a worse p99 at 1,000 events/s
-    # (p99 92-95 against 113-114 ms; README.md, "The batch window")
+    # (p99 92-95 against 113-114 ms; docs/results/log.md, "The batch window")
     batches = _Batches(max_records=500)
     await batches.put(taken(1))
     await asyncio.sleep(0.4)  # the stage was busy for longer than a window

@@ -15,8 +15,8 @@ every escalated event keeps its local decision after the full round trip) and tu
 It prints one JSON line (``RESULT {...}``) with those numbers and the worker's full (generation 2)
 collections, counted and timed by ``surge_gc_pause_seconds``, during phase 3 and in all. To compare two
 versions of the code, run it in each checkout (``git worktree add``), alternately, from that checkout's
-folder (its ``pipeline`` is the one imported, by the worker too); README.md, "What limits the risk
-worker", gives such a run (docs/architecture.md, "Risk: features"). To compare two values of a setting,
+folder (its ``pipeline`` is the one imported, by the worker too); docs/results/log.md, "What limits
+the risk worker", gives such a run (docs/architecture.md, "Risk: features"). To compare two values of a setting,
 run it with each in the environment (``SURGE_RISK_BATCHES_IN_FLIGHT=8``): the worker inherits it.
 """
 
