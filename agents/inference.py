@@ -32,7 +32,7 @@ from pydantic import ValidationError
 
 from agents.acks import Ticket
 from agents.exceptions import WorkItemError
-from agents.outcomes import Outcome, Pending, ReplyWriter
+from agents.outcomes import BUSY_FALLBACK, Outcome, Pending, ReplyWriter, request_input
 from agents.runtime import Runtime, event_context, unacked
 from models.base import ChatMessage, ModelBackend, ModelInput, ModelOutput
 from models.embedder import Embedder
@@ -68,8 +68,6 @@ log = logging.getLogger("surge.inference")
 
 #: how often a batch or offline reader held back by the intake's backlog looks again, s
 INTAKE_RECHECK_S = 0.02
-#: the level-3 answer when the template model has none
-BUSY_FALLBACK = "We are very busy right now; please try again shortly."
 
 
 def stream_buffer_filling(stream: faust.StreamT) -> bool:
@@ -340,7 +338,7 @@ class Inference:
             first.twins.append(pending)
             return
         self._inflight[key] = pending
-        degrade_plan = self._plan(pending, self._level())
+        degrade_plan = self._plan(pending, self.level())
         # a template is answered after the embedding stage: from the cache when it can, else from
         # the template model (with the item's vector only if it reads one), in a batch, off the loop
         pending.template = degrade_plan.use_template and self.template_model is not None
@@ -392,26 +390,19 @@ class Inference:
         return given
 
     def _pending(self, stream: faust.StreamT, event: EventT, ticket: Ticket, work: WorkItem) -> Pending:
-        req = work.request
-        inp = ModelInput(
-            messages=tuple(ChatMessage(m.role, m.content) for m in req.chat()),
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            logprobs=req.logprobs,
-        )
         msg = event.message
         return Pending(
             stream,
             event,
             work,
             scope="",
-            inp=inp,
+            inp=request_input(work.request),
             ticket=ticket,
             lead_id=source_key(msg.topic, msg.partition, msg.offset),
         )
 
-    def _level(self) -> int:
-        """The degradation level requests are planned at now."""
+    def level(self) -> int:
+        """The degradation level requests are planned at now (the intake reads it too: agents/shed.py)."""
         return level_in_force(self.controller.level, self.rt.settings.degrade_enabled)
 
     def _plan(self, pending: Pending, level: int) -> DegradePlan:
@@ -746,7 +737,7 @@ class Inference:
         get the template answer."""
         return split_popped(
             items,
-            level=self._level(),
+            level=self.level(),
             template_available=self.template_model is not None,
             replan=self._plan,
         )

@@ -1,8 +1,8 @@
 """The intake agent: decode, validate, rate-limit, answer exact repeats, forward by class.
 
 Reads ``surge.requests``; for each record exactly one of: an error reply (+ a dead letter for bad
-input), the reply recorded for it before (a redelivery), a cached reply, or a WorkItem on
-``surge.work.<priority>``. The record's offset is acked, in offset order, only after what it
+input), the reply recorded for it before (a redelivery), a cached reply, the level-3 template
+(agents/shed.py), or a WorkItem on ``surge.work.<priority>``. The record's offset is acked, in offset order, only after what it
 produced has been acknowledged by the broker (docs/architecture.md, "The path of a request").
 """
 
@@ -17,6 +17,7 @@ import faust
 from faust.types import EventT, TableT
 
 from agents.runtime import Runtime, unacked
+from agents.shed import template_at_intake
 from pipeline.app import table_store_options
 from pipeline.cache import AnswerCache
 from pipeline.compat import scan_partition
@@ -204,6 +205,12 @@ class Intake:
             cache_key=key,
             client_deadline=client_dated,
         )
+        if rt.inference is not None:  # level 3 at the door (agents/shed.py)
+            shed = template_at_intake(rt.inference, item)
+            if shed is not None:
+                return await rt.publish(
+                    shed, tenant=req.tenant, reply_to=reply_to, created_at_ms=created, event=event
+                )
         return await rt.send(rt.topics.work(req.priority), req.user_id, encode(item))
 
 

@@ -18,11 +18,24 @@ from faust.types import EventT
 
 from agents.acks import Ticket
 from agents.runtime import Runtime
-from models.base import ModelBackend, ModelInput, ModelOutput
+from models.base import ChatMessage, ModelBackend, ModelInput, ModelOutput
 from pipeline.exceptions import SurgeError
-from pipeline.records import InferenceReply, Timings, WorkItem, now_ms
+from pipeline.records import InferenceReply, InferenceRequest, Timings, WorkItem, now_ms
 
 Source = Literal["model", "cache", "merged", "template", "error"]
+
+#: the level-3 answer when the template model has none
+BUSY_FALLBACK = "We are very busy right now; please try again shortly."
+
+
+def request_input(req: InferenceRequest) -> ModelInput:
+    """What the model (or the template) is given for ``req``, before degradation changes it."""
+    return ModelInput(
+        messages=tuple(ChatMessage(m.role, m.content) for m in req.chat()),
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        logprobs=req.logprobs,
+    )
 
 
 @dataclass

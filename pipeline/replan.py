@@ -40,6 +40,16 @@ def request_plan(work: WorkItem, level: int, max_tokens_cap: int) -> DegradePlan
     )
 
 
+def sheds_at_intake(new_plan: DegradePlan, template_available: bool, template_needs_vectors: bool) -> bool:
+    """Whether the intake answers a request with the template itself instead of forwarding it to its
+    work topic: its plan at the level in force sends it to the template, the worker has one, and the
+    template reads no vector (so the inference path would have nothing to add first: no embedding,
+    no semantic match). Under level 3 a batch or offline request then gets its answer at once instead
+    of waiting behind the higher classes in Kafka until its deadline has passed
+    (docs/architecture.md, "Degradation")."""
+    return new_plan.use_template and template_available and not template_needs_vectors
+
+
 def moves_to_template(level_before: int, new_plan: DegradePlan, template_available: bool) -> bool:
     """Whether a queued item re-planned to ``new_plan`` now gets the template answer: only when its
     applied level rose and the new plan uses the template (and there is a template model)."""

@@ -286,3 +286,20 @@ def test_training_fits_the_lexical_layer_and_saves_it(tmp_path: Path) -> None:
     assert model.has_lexical
     predicted = np.asarray(model.labels)[model.lexical_probabilities(texts).argmax(axis=1)]
     assert float(np.mean(predicted == np.asarray(labels))) >= 0.9  # it learnt its own rows from n-grams
+
+
+def test_the_lexical_layer_gathers_what_the_sparse_product_computes() -> None:
+    """``lexical_probabilities`` sums each question's weight rows itself (a third of the cost for the
+    one question the intake templates at a time); it must be the sparse matrix product it replaced."""
+    faq = FAQAnswerer(embedder=CountingEmbedder())  # type: ignore[arg-type]
+    faq.load()
+    model = faq._loaded()
+    assert model.lexical_weight is not None and model.lexical_bias is not None
+    texts = [q for q, _ in LEXICAL_CASES] + ["", "zzzz qqqq", "Card card CARD card!!", "我的卡丢了"]
+    logits = np.asarray(model.lexical_features(texts) @ model.lexical_weight) + model.lexical_bias
+    expected = np.exp(logits - logits.max(axis=1, keepdims=True))
+    expected /= expected.sum(axis=1, keepdims=True)
+    got = model.lexical_probabilities(texts)
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    assert [model.lexical_probabilities([t])[0].argmax() for t in texts] == list(expected.argmax(axis=1))

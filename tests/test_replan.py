@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.degrade import DegradePlan
 from pipeline.records import InferenceRequest, WorkItem
-from pipeline.replan import level_in_force, moves_to_template, request_plan, split_popped
+from pipeline.replan import level_in_force, moves_to_template, request_plan, sheds_at_intake, split_popped
 from pipeline.scheduler import QueuedItem
 from pipeline.terms import Priority, Tier
 
@@ -135,3 +135,25 @@ def test_moves_to_template(
 ) -> None:
     new_plan = DegradePlan(level_applied, 16, False, use_template)
     assert moves_to_template(before, new_plan, available) is moves
+
+
+@pytest.mark.parametrize(
+    ("priority", "tier", "level", "available", "needs_vectors", "sheds"),
+    [
+        (Priority.BATCH, Tier.STANDARD, 3, True, False, True),
+        (Priority.OFFLINE, Tier.PREMIUM, 3, True, False, True),
+        (Priority.INTERACTIVE, Tier.FREE, 3, True, False, True),
+        (Priority.INTERACTIVE, Tier.STANDARD, 3, True, False, False),  # level 3 caps it at 2
+        (Priority.REALTIME, Tier.FREE, 3, True, False, False),  # never templated
+        (Priority.BATCH, Tier.STANDARD, 2, True, False, False),  # below the template level
+        (Priority.BATCH, Tier.STANDARD, 3, False, False, False),  # no template to answer with
+        (Priority.BATCH, Tier.STANDARD, 3, True, True, False),  # the inference path embeds it first
+    ],
+)
+def test_the_intake_sheds_only_what_the_inference_path_would_template_unembedded(
+    priority: Priority, tier: Tier, level: int, available: bool, needs_vectors: bool, sheds: bool
+) -> None:
+    new_plan = request_plan(work(priority, tier), level, CAP)
+    assert sheds_at_intake(new_plan, available, needs_vectors) is sheds
+    # whatever the intake sheds, the inference path would have sent to the template
+    assert not sheds or (new_plan.use_template and new_plan.level_applied == 3)

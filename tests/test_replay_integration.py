@@ -15,6 +15,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from pipeline.admin import changelog_topics
+from pipeline.client import partitions_of
 from pipeline.records import now_ms
 from pipeline.replay import compare, plan
 from pipeline.replay.runner import ReplayOptions, run_replay
@@ -31,11 +32,13 @@ async def _end_offsets(bootstrap: str, topics: list[str]) -> dict[str, int]:
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
     await consumer.start()
     try:
-        await consumer.topics()  # the metadata of every topic
         out = {}
         for t in topics:
-            parts = consumer.partitions_for_topic(t) or set()
-            ends = await consumer.end_offsets([TopicPartition(t, p) for p in parts]) if parts else {}
+            # the consumer's own metadata, refreshed until it knows the topic (``topics()`` fetches
+            # the names into a metadata object of its own: every topic read as empty)
+            parts = await partitions_of(consumer, t)
+            assert parts, f"no topic {t}"
+            ends = await consumer.end_offsets([TopicPartition(t, p) for p in parts])
             out[t] = sum(ends.values())
         return out
     finally:

@@ -13,7 +13,9 @@ import pytest
 from models.faq import DATA_DIR, INTENTS_FILE
 from pipeline.metrics import scrape
 from pipeline.records import now_ms
+from pipeline.topics import TopicNames
 from tests.conftest import RELAXED, request
+from tests.test_replay_integration import _end_offsets
 
 pytestmark = pytest.mark.integration
 FAST = {"cache_enabled": "false", "dedup_enabled": "false", "rate_limit_enabled": "false"}
@@ -235,10 +237,13 @@ async def test_overload_degrades_low_classes_to_templates_but_never_realtime(dep
     assert all(r.served_from == "template" and r.degradation_level == 3 for r in late_replies), late_replies
 
 
-async def test_level_3_templates_cost_no_embedding_on_the_default_path(deployment) -> None:
+async def test_level_3_templates_cost_no_embedding_and_no_work_topic_on_the_default_path(deployment) -> None:
     """With caches and merging on (the default path), every request is embedded with MiniLM, the
     worker's dearest step; one that level 3 sends to the FAQ template skips it (the template reads
-    n-grams alone), so the level sheds that cost, and its answer is still the question's intent."""
+    n-grams alone), so the level sheds that cost, and its answer is still the question's intent.
+    The intake gives that answer itself (agents/shed.py): a batch request arriving at level 3 never
+    enters its work topic, where in a surge it waited behind the higher classes until its deadline
+    had passed; a real-time one is still forwarded and answered by the model."""
     d = deployment(model="faq", **{**SMALL_QUEUE, "cache_enabled": "true", "dedup_enabled": "true"})
     w = d.worker()
     c = await d.client()
@@ -254,6 +259,8 @@ async def test_level_3_templates_cost_no_embedding_on_the_default_path(deploymen
     assert "surge_degradation_level 3.0" in metrics
     embedded = scrape(metrics)[("surge_embed_batch_size_sum", ())]
     assert embedded > 0
+    topics = TopicNames(d.settings.topic_prefix)
+    work_before = await _end_offsets(d.bootstrap, [topics.work("batch"), topics.work("realtime")])
     late = [
         await c.submit(
             request(
@@ -275,6 +282,24 @@ async def test_level_3_templates_cost_no_embedding_on_the_default_path(deploymen
         r.answer for r in late_replies
     ]
     assert scrape(w.metrics())[("surge_embed_batch_size_sum", ())] == embedded
+    work_after = await _end_offsets(d.bootstrap, [topics.work("batch"), topics.work("realtime")])
+    assert work_after[topics.work("batch")] == work_before[topics.work("batch")] > 0, (
+        "templated at the intake"
+    )
+    live = [
+        await c.submit(
+            request(f"live{i}", f"live-{i}", f"Where is my new card, order {i}?", priority="realtime")
+        )
+        for i in range(2)
+    ]
+    await c.producer.flush()
+    live_replies = await d.replies(live, 60)
+    # real time is never templated: the model's answer, or the cache's (the backlog asked alike)
+    assert all(
+        r.status == "ok" and r.served_from != "template" and r.degradation_level <= 2 for r in live_replies
+    ), [(r.served_from, r.degradation_level) for r in live_replies]
+    work_after = await _end_offsets(d.bootstrap, [topics.work("realtime")])
+    assert work_after[topics.work("realtime")] == work_before[topics.work("realtime")] + 2
 
 
 async def test_batch_work_waits_while_the_intake_is_behind(deployment) -> None:
