@@ -54,7 +54,6 @@ DEFAULT_CONFIDENCE_FLOOR = 0.40
 DEFAULT_TEMPLATE_CONFIDENCE_FLOOR = 0.25
 
 _WORD_RE = re.compile(r"(?u)\b\w\w+\b")
-_SPACES_RE = re.compile(r"\s\s+")
 
 
 def word_ngrams(text: str, n_max: int = 2) -> list[str]:
@@ -69,12 +68,11 @@ def word_ngrams(text: str, n_max: int = 2) -> list[str]:
 def char_ngrams(text: str, n_min: int = 1, n_max: int = 4) -> list[str]:
     """Character n-grams inside word boundaries (each word padded with one space on each side)."""
     grams: list[str] = []
-    for word in _SPACES_RE.sub(" ", text.lower()).split():
+    for word in text.lower().split():
         padded = f" {word} "
-        for n in range(n_min, n_max + 1):
-            if len(padded) < n:
-                break
-            grams.extend(padded[i : i + n] for i in range(len(padded) - n + 1))
+        size = len(padded)
+        for n in range(n_min, min(n_max, size) + 1):
+            grams += [padded[i : i + n] for i in range(size - n + 1)]
     return grams
 
 
@@ -109,11 +107,15 @@ class TfidfBlock:
     def row(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """One text's L2-normalised TF-IDF row: its columns (ascending, int64) and their values
         (float32)."""
-        counts = Counter(i for g in self.analyze(text) if (i := self.vocab.get(g)) is not None)
-        cols = sorted(counts)
-        vals = np.array([(1.0 + math.log(counts[c])) * self.idf[c] for c in cols], dtype=np.float32)
-        norm = float(np.linalg.norm(vals)) if cols else 0.0
-        return np.asarray(cols, dtype=np.int64), (vals / norm if norm > 0 else vals)
+        counts = Counter(map(self.vocab.get, self.analyze(text)))
+        counts.pop(None, None)  # n-grams outside the vocabulary
+        cols = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+        tf = np.fromiter(counts.values(), dtype=np.float64, count=len(counts))
+        order = np.argsort(cols)
+        cols, tf = cols[order], tf[order]
+        vals = (1.0 + np.log(tf)).astype(np.float32) * self.idf[cols]  # sublinear tf, float32 as trained
+        norm = float(np.linalg.norm(vals)) if len(cols) else 0.0
+        return cols, (vals / norm if norm > 0 else vals)
 
     def transform(self, texts: Sequence[str]) -> sparse.csr_matrix:
         """An (n, len(vocab)) sparse float32 matrix of L2-normalised TF-IDF rows."""
