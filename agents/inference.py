@@ -34,6 +34,7 @@ from agents.acks import Ticket
 from agents.exceptions import WorkItemError
 from agents.outcomes import BUSY_FALLBACK, Outcome, Pending, ReplyWriter, request_input
 from agents.runtime import Runtime, event_context, unacked
+from agents.shed import template_now
 from models.base import ChatMessage, ModelBackend, ModelInput, ModelOutput
 from models.embedder import Embedder
 from pipeline.batcher import AsyncBatcher, BatchObserver
@@ -49,7 +50,7 @@ from pipeline.keys import cache_key, reply_key, scope_of, source_key
 from pipeline.merge import MergeRegistry
 from pipeline.pairs import decision_from_settings
 from pipeline.records import WorkItem, now_ms
-from pipeline.replan import level_in_force, request_plan, split_popped
+from pipeline.replan import level_in_force, request_plan, split_popped, templates_whole_class
 from pipeline.routing import (
     Cached,
     Refused,
@@ -229,6 +230,13 @@ class Inference:
         life = self.rt.lifecycle
         if life is not None and (life.stopping or life.revoking):
             return False
+        if self._templated_class(priority):
+            # every record of the class is answered at admission (agents/shed.py): it takes no place
+            # in the embedding stage or the queue, so neither strict priority nor the work bound holds
+            # it back; the intake-first rule and the producer's buffer still do
+            if not buffer_filling and self._yields_to_intake(priority):
+                return False
+            return len(self._arrivals[priority]) < s.embed_queue_limit
         if self.waiting(priority) >= s.queue_limit_per_class:
             return False
         rank = RANK[priority]
@@ -243,6 +251,17 @@ class Inference:
         if not buffer_filling and self._yields_to_intake(priority):
             return False
         return len(self._arrivals[priority]) < s.embed_queue_limit
+
+    def _templated_class(self, priority: str) -> bool:
+        """Whether the level in force answers every record of ``priority`` with a template that reads
+        no vector, at admission (:func:`pipeline.replan.templates_whole_class`)."""
+        template = self.template_model
+        return (
+            template is not None
+            and self.ready.is_set()
+            and templates_whole_class(self.level(), priority)
+            and not template.template_needs_vectors()
+        )
 
     def unsent_writes(self) -> int:
         """Writes made and not yet handed to the producer: table writes in Faust's producer buffer,
@@ -339,9 +358,15 @@ class Inference:
             return
         self._inflight[key] = pending
         degrade_plan = self._plan(pending, self.level())
-        # a template is answered after the embedding stage: from the cache when it can, else from
-        # the template model (with the item's vector only if it reads one), in a batch, off the loop
         pending.template = degrade_plan.use_template and self.template_model is not None
+        if pending.template:
+            # answered now when the template reads no vector and the cache holds nothing for it
+            # (agents/shed.py); else after the embedding stage, from the cache or the template
+            now = template_now(self, work)
+            if now is not None:
+                await self.replies.send([Outcome(pending, now[1], "template")])
+                self._room.set()
+                return
         self._arrivals[priority].append(pending)
         self._arrived.set()
 
@@ -727,8 +752,11 @@ class Inference:
             return 0
         now = now_ms()
         depth = pressure_depth(depths, {p: s.deadline_ms(p) for p in PRIORITIES})
+        before = self.controller.level
         level = self.controller.observe(depth, self.misses.miss_rate(now), now)
         m.degradation_level.set(level)
+        if level != before:  # a class the level now templates whole may be read at once
+            self._room.set()
         return level
 
     def _degrade_queued(self, items: list[QueuedItem]) -> tuple[list[QueuedItem], list[Pending]]:

@@ -14,6 +14,7 @@ from typing import Protocol, TypeVar
 from pipeline.degrade import DegradePlan, plan
 from pipeline.records import WorkItem
 from pipeline.scheduler import QueuedItem
+from pipeline.terms import TIERS
 
 
 class Planned(Protocol):
@@ -40,14 +41,21 @@ def request_plan(work: WorkItem, level: int, max_tokens_cap: int) -> DegradePlan
     )
 
 
-def sheds_at_intake(new_plan: DegradePlan, template_available: bool, template_needs_vectors: bool) -> bool:
-    """Whether the intake answers a request with the template itself instead of forwarding it to its
-    work topic: its plan at the level in force sends it to the template, the worker has one, and the
-    template reads no vector (so the inference path would have nothing to add first: no embedding,
-    no semantic match). Under level 3 a batch or offline request then gets its answer at once instead
-    of waiting behind the higher classes in Kafka until its deadline has passed
-    (docs/architecture.md, "Degradation")."""
+def templated_at_once(new_plan: DegradePlan, template_available: bool, template_needs_vectors: bool) -> bool:
+    """Whether a request is answered with the template as soon as it is read, by the intake or at
+    admission, rather than after the embedding stage: its plan at the level in force sends it to the
+    template, the worker has one, and the template reads no vector (so the path it skips would have
+    added nothing first: no embedding, no semantic match). Under level 3 a batch or offline request
+    then gets its answer at once instead of waiting behind the higher classes until its deadline has
+    passed (docs/architecture.md, "Degradation")."""
     return new_plan.use_template and template_available and not template_needs_vectors
+
+
+def templates_whole_class(level: int, priority: str) -> bool:
+    """Whether ``level`` sends every request of ``priority`` to the template, whatever its tier (at
+    level 3: batch and offline). Such a class's reader is not held back by strict priority: its
+    records are answered at admission and take no place in the embedding stage or the queue."""
+    return all(plan(level, priority, tier, 1, False).use_template for tier in TIERS)
 
 
 def moves_to_template(level_before: int, new_plan: DegradePlan, template_available: bool) -> bool:

@@ -730,7 +730,7 @@ async def test_followers_of_a_leader_degraded_while_queued_say_so_and_are_not_re
                 break
             await asyncio.sleep(0.02)
         assert inf.merges.followers() == 1 and inf.batcher.depth == 1, "a queued leader and its follower"
-        inf._level = lambda: 1  # the level rose before their batch is popped
+        inf.level = lambda: 1  # type: ignore[method-assign]  # the level rose before their batch is popped
         (busy_reply,) = await w.replies(busy)
         replies = sorted(await w.replies(*pair), key=lambda r: r.served_from or "")
         follower, leader = replies  # "merged" sorts before "model"

@@ -9,7 +9,14 @@ import pytest
 
 from pipeline.degrade import DegradePlan
 from pipeline.records import InferenceRequest, WorkItem
-from pipeline.replan import level_in_force, moves_to_template, request_plan, sheds_at_intake, split_popped
+from pipeline.replan import (
+    level_in_force,
+    moves_to_template,
+    request_plan,
+    split_popped,
+    templated_at_once,
+    templates_whole_class,
+)
 from pipeline.scheduler import QueuedItem
 from pipeline.terms import Priority, Tier
 
@@ -150,10 +157,22 @@ def test_moves_to_template(
         (Priority.BATCH, Tier.STANDARD, 3, True, True, False),  # the inference path embeds it first
     ],
 )
-def test_the_intake_sheds_only_what_the_inference_path_would_template_unembedded(
+def test_only_what_the_inference_path_would_template_unembedded_is_templated_at_once(
     priority: Priority, tier: Tier, level: int, available: bool, needs_vectors: bool, sheds: bool
 ) -> None:
     new_plan = request_plan(work(priority, tier), level, CAP)
-    assert sheds_at_intake(new_plan, available, needs_vectors) is sheds
+    assert templated_at_once(new_plan, available, needs_vectors) is sheds
     # whatever the intake sheds, the inference path would have sent to the template
     assert not sheds or (new_plan.use_template and new_plan.level_applied == 3)
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+@pytest.mark.parametrize("priority", list(Priority))
+def test_a_whole_class_is_templated_only_at_level_3_and_only_below_interactive(
+    level: int, priority: Priority
+) -> None:
+    whole = templates_whole_class(level, priority)
+    assert whole is (level == 3 and priority in (Priority.BATCH, Priority.OFFLINE))
+    # never claimed for a class where some tier would not get the template
+    tiers_templated = [request_plan(work(priority, tier), level, CAP).use_template for tier in Tier]
+    assert not whole or all(tiers_templated)

@@ -346,3 +346,54 @@ async def test_batch_work_waits_while_the_intake_is_behind(deployment) -> None:
     # runs; with them in it and batch reading paced at 50, 102-143 in most runs but 338 and 445 in two
     # of 30 after the intake was done (model batches answered whole); 663-870 without either
     assert max(sizes, default=0) <= 300, sizes
+
+
+async def test_level_3_answers_a_forwarded_low_class_at_admission_past_strict_priority(deployment) -> None:
+    """The Kubernetes shape (intake and inference in their own workers): the intake has no level
+    and forwards everything; at level 3 the inference worker answers batch work with the template as
+    it reads it (agents/shed.py). Its batch reader is not held back by strict priority then, since
+    what it reads takes no place in the embedding stage or the queue: the batch requests are answered
+    while real-time work still waits for the slow model, not after all of it (where, in a surge,
+    their deadlines had passed)."""
+    d = deployment(
+        model="echo",
+        echo_delay_ms="300",
+        **{**SMALL_QUEUE, "deadline_realtime_ms": "60000"},
+    )
+    d.worker(role="intake", wait=False)
+    d.worker(role="inference", wait=False)
+    for w in d.workers:
+        w.wait_ready()
+    c = await d.client()
+    live = [
+        await c.submit(request(f"rt{i}", f"live-{i}", f"real-time question {i}", priority="realtime"))
+        for i in range(80)
+    ]
+    await c.producer.flush()
+    inference = d.workers[1]
+    deadline = time.monotonic() + 60
+    while "surge_degradation_level 3.0" not in inference.metrics():
+        assert time.monotonic() < deadline, "the real-time backlog must raise the level to 3"
+        await asyncio.sleep(0.1)
+    topics = TopicNames(d.settings.topic_prefix)
+    forwarded_before = (await _end_offsets(d.bootstrap, [topics.work("batch")]))[topics.work("batch")]
+    bulk = [
+        await c.submit(request(f"b{i}", f"bulk-{i}", f"batch question {i}", priority="batch"))
+        for i in range(5)
+    ]
+    await c.producer.flush()
+    bulk_replies = await d.replies(bulk, 60)
+    assert all(
+        r.status == "ok" and r.served_from == "template" and r.degradation_level == 3 for r in bulk_replies
+    ), [(r.served_from, r.degradation_level) for r in bulk_replies]
+    forwarded_after = (await _end_offsets(d.bootstrap, [topics.work("batch")]))[topics.work("batch")]
+    assert forwarded_after == forwarded_before + 5, "an intake apart has no level: it forwards"
+    order = [r.request_id for r in c.replies]
+    answered_live = sum(
+        rid.startswith("r-rt") for rid in order[: max(order.index(f"r-b{i}") for i in range(5))]
+    )
+    # held back by strict priority, batch work would be read only once no real-time request waited,
+    # with at most the last batch of them (4) still in the model
+    assert answered_live <= len(live) // 2, f"batch answered after {answered_live} of {len(live)} real-time"
+    live_replies = await d.replies(live, 120)
+    assert all(r.status == "ok" and r.served_from == "model" for r in live_replies)
