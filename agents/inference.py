@@ -34,7 +34,7 @@ from agents.acks import Ticket
 from agents.exceptions import WorkItemError
 from agents.outcomes import BUSY_FALLBACK, Outcome, Pending, ReplyWriter, request_input
 from agents.runtime import Runtime, event_context, unacked
-from agents.shed import template_now
+from agents.shed import answers_at_once, template_answer
 from models.base import ChatMessage, ModelBackend, ModelInput, ModelOutput
 from models.embedder import Embedder
 from pipeline.batcher import AsyncBatcher, BatchObserver
@@ -359,13 +359,12 @@ class Inference:
         self._inflight[key] = pending
         degrade_plan = self._plan(pending, self.level())
         pending.template = degrade_plan.use_template and self.template_model is not None
-        if pending.template:
+        if pending.template and answers_at_once(self, degrade_plan):
             # answered now when the template reads no vector and the cache holds nothing for it
             # (agents/shed.py); else after the embedding stage, from the cache or the template
-            now = template_now(self, work)
-            if now is not None:
-                await self.replies.send([Outcome(pending, now[1], "template")])
-                self._room.set()
+            answer = template_answer(self, pending.inp, pending.scope, pending.cache_key)
+            if answer is not None:
+                await self.replies.send([Outcome(pending, answer, "template")])
                 return
         self._arrivals[priority].append(pending)
         self._arrived.set()

@@ -11,7 +11,7 @@ reply, so a redelivery gets the same one. A request whose answer the cache holds
 parameters is forwarded as before: the inference path answers it from there.
 
 Where the intake runs apart (``--role intake``, the Kubernetes shape) it forwards everything, and the
-inference worker answers such a request when it admits it (:func:`template_now`): at level 3 its
+inference worker answers such a request when it admits it (:func:`template_answer`): at level 3 its
 batch and offline readers are not held back by strict priority, since what they read takes no place
 in the embedding stage or the queue (``Inference.can_admit``), so work forwarded before the level
 rose is answered too, not left to expire.
@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from agents.outcomes import BUSY_FALLBACK, request_input
-from models.base import ModelOutput
+from models.base import ModelInput, ModelOutput
 from pipeline.degrade import DegradePlan
 from pipeline.keys import cache_key, scope_of
 from pipeline.records import InferenceReply, Timings, WorkItem, now_ms
@@ -33,37 +33,45 @@ if TYPE_CHECKING:
     from agents.inference import Inference
 
 
-def template_now(inf: Inference, work: WorkItem) -> tuple[DegradePlan, ModelOutput] | None:
-    """The plan and the template answer of ``work`` at the level in force, or None when it takes the
-    normal path: not templated at this level, a template that reads vectors, or an answer the cache
-    holds under its degraded parameters. Called on the event loop (the FAQ template's n-gram layer
-    takes about 0.2 ms a question)."""
-    s = inf.rt.settings
+def answers_at_once(inf: Inference, plan: DegradePlan) -> bool:
+    """Whether a request planned to ``plan`` gets the template as soon as it is read: the worker has a
+    template that reads no vector and is ready (:func:`pipeline.replan.templated_at_once`)."""
     template = inf.template_model
-    if template is None or not inf.ready.is_set():
-        return None
-    plan = request_plan(work, inf.level(), s.degrade_max_tokens_cap)
-    if not templated_at_once(plan, True, template.template_needs_vectors()):
-        return None
-    req = work.request
-    inp = replace(request_input(req), max_tokens=plan.max_tokens, logprobs=plan.logprobs)
-    if inf.cache is not None and s.cache_enabled and req.cache:
+    return (
+        template is not None
+        and inf.ready.is_set()
+        and templated_at_once(plan, True, template.template_needs_vectors())
+    )
+
+
+def template_answer(inf: Inference, inp: ModelInput, scope: str, key: str | None) -> ModelOutput | None:
+    """The template's answer to ``inp`` (planned and scoped already; ``key`` None when the request
+    may not use the cache), or None when the cache holds an answer under ``key``: the normal path
+    answers it from there. Called on the event loop (the FAQ template's n-gram layer takes about
+    0.2 ms a question)."""
+    s = inf.rt.settings
+    assert inf.template_model is not None
+    if key is not None and inf.cache is not None and s.cache_enabled:
         # the lookup the inference path makes first for such an item (exact; no vector to match)
-        scope = scope_of(req, s.served_model, inf.model.version, plan.max_tokens, plan.logprobs)
         decision = inf.decision if s.semantic_cache_enabled else None
-        if inf.cache.lookup(cache_key(inp.text, scope), scope, None, inp.text, decision) is not None:
+        if inf.cache.lookup(key, scope, None, inp.text, decision) is not None:
             return None
-    return plan, template.template_answers([inp])[0] or ModelOutput(BUSY_FALLBACK, "template")
+    return inf.template_model.template_answers([inp])[0] or ModelOutput(BUSY_FALLBACK, "template")
 
 
 def template_at_intake(inf: Inference, work: WorkItem) -> InferenceReply | None:
     """The reply the intake sends instead of forwarding ``work``, or None to forward it. Called by
     the intake agent for each request it would forward."""
-    now = template_now(inf, work)
-    if now is None:
+    s = inf.rt.settings
+    plan = request_plan(work, inf.level(), s.degrade_max_tokens_cap)
+    if not answers_at_once(inf, plan):
         return None
-    plan, out = now
     req = work.request
+    inp = replace(request_input(req), max_tokens=plan.max_tokens, logprobs=plan.logprobs)
+    scope = scope_of(req, s.served_model, inf.model.version, plan.max_tokens, plan.logprobs)
+    out = template_answer(inf, inp, scope, cache_key(inp.text, scope) if req.cache else None)
+    if out is None:
+        return None
     return InferenceReply(
         request_id=req.request_id,
         user_id=req.user_id,
