@@ -20,7 +20,7 @@ from typing import Any, Generic, Self, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from pipeline.compat import refresh_metadata
+from pipeline.compat import refresh_metadata, track_sent_topics
 from pipeline.records import InferenceReply, now_ms
 
 log = logging.getLogger("surge.client")
@@ -105,6 +105,8 @@ class ReplyClient(TopicReader, Generic[A]):
         from_beginning: bool = False,
     ) -> None:
         super().__init__(consumer, topic, from_beginning=from_beginning)
+        # a record for one topic must not wait for good after a send to another (pipeline/compat.py)
+        track_sent_topics(producer)
         self.producer = producer
         self._waiting: dict[str, asyncio.Future[A]] = {}
 

@@ -306,6 +306,34 @@ def set_prefetch_backoff(consumer: AIOKafkaConsumer, backoff_ms: int) -> None:
     consumer.start = start_then_set
 
 
+def track_sent_topics(producer: AIOKafkaProducer) -> None:
+    """Make ``producer`` keep the metadata of every topic it has sent to, for as long as it runs.
+
+    Why: an aiokafka client refreshes the metadata of the topics it tracks, or of every topic while
+    it tracks none, and a refresh replaces what it knew. ``send`` tracks a topic only when its
+    metadata is missing, so a topic learnt from a refresh of every topic (Faust asks for one after
+    creating its topics) is used untracked: the first send to a topic created later makes the
+    producer track that one alone, and the next refresh drops every other topic's leaders. A batch
+    lingering for one of them then waits, unsent and with no error, until something else is sent to
+    its topic (a reply, its work partition's commits behind it, held for good in a quiet moment;
+    seen in CI and reproduced in tests/test_compat.py). Tracking each topic on its first send keeps
+    them all. Idempotent. Private: ``AIOKafkaClient._wait_on_metadata`` (every send and
+    ``partitions_for`` awaits it) and ``AIOKafkaClient._topics``.
+    """
+    client: Any = producer.client
+    if getattr(client, "_surge_tracks_sent_topics", False):
+        return
+    original = client._wait_on_metadata
+
+    async def wait_on_metadata(topic: str) -> Any:
+        if topic not in client._topics:
+            client.add_topic(topic)  # tracked from now on; the refresh it asks for runs in the background
+        return await original(topic)
+
+    client._wait_on_metadata = wait_on_metadata
+    client._surge_tracks_sent_topics = True
+
+
 def bound_produce_request_wait(timeout_ms: int) -> None:
     """Make the worker's producer give up on a produce request the broker has not answered within
     ``timeout_ms``: it closes the connection and sends the request's batches again on a new one.
@@ -318,7 +346,8 @@ def bound_produce_request_wait(timeout_ms: int) -> None:
     minutes, their records unacked. Lowering Faust's setting instead expires the batches and fails
     full-batch sends after that time, and Faust's producer buffer (the tables' changelog writes)
     crashes the worker on such a failure. Here only the wait for an answer is bounded; a batch sent
-    again is the same batch, not a second copy. Called once, before the worker starts. Private:
+    again is the same batch, not a second copy. The same hook makes each of Faust's producers
+    :func:`track_sent_topics`. Called once, before the worker starts. Private:
     ``faust.transport.drivers.aiokafka.Producer._new_producer`` and
     ``aiokafka.AIOKafkaClient._request_timeout_ms`` (read when a connection is made).
     """
@@ -333,6 +362,8 @@ def bound_produce_request_wait(timeout_ms: int) -> None:
     def new_producer(self: Any, transactional_id: str | None = None) -> AIOKafkaProducer:
         producer = original(self, transactional_id=transactional_id)
         producer.client._request_timeout_ms = timeout_ms
+        # and it keeps the metadata of every topic it writes (see track_sent_topics)
+        track_sent_topics(producer)
         return producer
 
     producer_cls._new_producer = new_producer
@@ -380,23 +411,26 @@ def changelog_message(
 def producer_backlog(producer: AIOKafkaProducer) -> dict[str, Any]:
     """What an aiokafka producer still holds, for a log line when a send waits too long: per
     partition the batches not yet sent (their age in seconds, how often tried, the partition's
-    leader as the producer knows it), the batches sent and awaiting an answer, the brokers with a
+    leader as the producer knows it, whether its metadata refreshes cover the topic), the batches sent and awaiting an answer, the brokers with a
     request in flight and the partitions muted behind one.
 
     Why: aiokafka says nothing about a record it has accepted and not delivered. Private:
     ``MessageAccumulator._batches``/``_pending_batches``, ``MessageBatch._ctime``,
-    ``AIOKafkaProducer._message_accumulator``/``_sender``, ``Sender._in_flight``/``_muted_partitions``.
+    ``AIOKafkaProducer._message_accumulator``/``_sender``, ``Sender._in_flight``/``_muted_partitions``,
+    ``AIOKafkaClient._topics``.
     """
     import time
 
     acc: Any = producer._message_accumulator
     sender: Any = producer._sender
+    client: Any = producer.client
     now = time.monotonic()
     queued = {
         f"{tp.topic}[{tp.partition}]": {
             "ages_s": [round(now - b._ctime, 1) for b in batches],
             "tries": [b.retry_count for b in batches],
             "leader": producer.client.cluster.leader_for_partition(tp),
+            "tracked": tp.topic in client._topics,
         }
         for tp, batches in list(acc._batches.items())
         if batches
@@ -411,19 +445,32 @@ def producer_backlog(producer: AIOKafkaProducer) -> dict[str, Any]:
 
 
 def wake_producer(producer: AIOKafkaProducer) -> bool:
-    """Wake an aiokafka producer's sender, as a new batch does; False if it was awake already.
+    """Wake an aiokafka producer's sender, as a new batch does, and have its metadata refreshes
+    cover every topic it holds a batch for without a known leader; False if there was nothing to do.
 
     Why: the sender sleeps until a batch is created, a linger ends or a request returns; a record
-    added to a batch that already exists wakes nothing. When a send has waited past the request
-    timeout with no error, a wake-up makes the sender look at its batches again (harmless if it had
-    nothing to do). Private: ``MessageAccumulator._waiter_future``.
+    added to a batch that already exists wakes nothing. A batch whose partition has no known leader
+    waits for a metadata refresh, and one that does not ask for its topic never brings it (see
+    :func:`track_sent_topics`). When a send has waited past the request timeout with no error, this
+    makes the sender look at its batches again (harmless if it had nothing to do). Private:
+    ``MessageAccumulator._waiter_future``/``_batches``, ``AIOKafkaClient._topics``.
     """
     acc: Any = producer._message_accumulator
+    client: Any = producer.client
+    acted = False
+    for tp, batches in list(acc._batches.items()):
+        if (
+            batches
+            and tp.topic not in client._topics
+            and client.cluster.leader_for_partition(tp) in (None, -1)
+        ):
+            client.add_topic(tp.topic)
+            acted = True
     waiter = acc._waiter_future
-    if waiter.done():
-        return False
-    waiter.set_result(None)
-    return True
+    if not waiter.done():
+        waiter.set_result(None)
+        acted = True
+    return acted
 
 
 def flush_changelog_buffers(app: Any) -> None:

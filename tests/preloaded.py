@@ -118,6 +118,9 @@ def launch_preloaded(argv: list[str], env: dict[str, str], log_path: Path) -> Pr
     if os.environ.get("SURGE_TEST_PLAIN_WORKERS") == "1" or argv[:2] != [sys.executable, "-m"]:
         return launch_subprocess(argv, env, log_path)
     module, args = argv[2], argv[3:]
+    # the log exists once this returns, as it does for a subprocess (whose log the parent opens)
+    with open(log_path, "ab"):
+        pass
     process = _fork_server().Process(
         target=_run_module, args=(module, args, env, str(log_path)), name=f"surge:{module}", daemon=True
     )

@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 import uuid
 from contextvars import ContextVar
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import faust
 import faust.streams
 import pytest
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.client import AIOKafkaClient
 from aiokafka.consumer.group_coordinator import GroupCoordinator
+from aiokafka.structs import TopicPartition
 from faust.tables import TableManager
 from faust.tables.recovery import Recovery
 from faust.transport.consumer import ThreadDelegateConsumer
@@ -349,6 +352,79 @@ async def test_surge_producers_wait_for_an_answer_only_as_long_as_asked(tmp_path
         assert producer._request_timeout_ms == int(app.conf.producer_request_timeout * 1000) > 4321
     finally:
         create_app(Settings(data_dir=tmp_path))  # the next app in this process gets the default
+
+
+async def _send_then_send_to_a_new_topic(
+    bootstrap: str, producer: AIOKafkaProducer
+) -> tuple[str, Any, float]:
+    """A producer that learnt every topic from one refresh (as Faust's does after creating its
+    topics), a record to an existing topic left lingering in its batch, then a record to a topic
+    created after that refresh. Returns the first topic, the lingering send's future, and how long
+    the second send took."""
+    old = await _create_topic(bootstrap, 2)
+    await producer.client.force_metadata_update()  # tracking none: the metadata of every topic
+    await producer.send_and_wait(old, b"first", partition=0)
+    new = await _create_topic(bootstrap, 1)
+    lingering = await producer.send(old, b"lingering", partition=0)
+    started = time.monotonic()
+    await (await producer.send(new, b"elsewhere", partition=0))
+    return old, lingering, time.monotonic() - started
+
+
+@pytest.mark.integration
+async def test_aiokafka_drops_the_leaders_of_topics_it_sent_to_untracked(kafka: EmbeddedKafka) -> None:
+    """Why :func:`compat.track_sent_topics` exists: without it, the refresh a send to a new topic asks
+    for replaces the metadata of every topic sent to so far, and a batch lingering for one of them is
+    stuck. When this fails, aiokafka keeps them itself and the helper can go."""
+    producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap, linger_ms=1500)
+    await producer.start()
+    try:
+        old, lingering, took_s = await _send_then_send_to_a_new_topic(kafka.bootstrap, producer)
+        assert producer.client.cluster.leader_for_partition(TopicPartition(old, 0)) is None
+        if took_s < 1.0:  # the refresh came before the linger ended: the batch has no leader to go to
+            await asyncio.sleep(2.5)
+            assert not lingering.done(), "sent without its leader's metadata"
+            assert compat.producer_backlog(producer)["queued"][f"{old}[0]"]["tracked"] is False
+            # what a stuck send's report does: the refresh it asks for covers the topic again
+            assert compat.wake_producer(producer) is True
+            assert (await asyncio.wait_for(lingering, 10)).offset == 1
+    finally:
+        await producer.stop()
+
+
+@pytest.mark.integration
+async def test_track_sent_topics_keeps_every_topic_a_producer_sent_to(kafka: EmbeddedKafka) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap, linger_ms=1500)
+    compat.track_sent_topics(producer)
+    compat.track_sent_topics(producer)  # idempotent
+    await producer.start()
+    try:
+        old, lingering, _ = await _send_then_send_to_a_new_topic(kafka.bootstrap, producer)
+        assert (await asyncio.wait_for(lingering, 10)).offset == 1
+        assert producer.client.cluster.leader_for_partition(TopicPartition(old, 0)) is not None
+    finally:
+        await producer.stop()
+
+
+@pytest.mark.integration
+async def test_fausts_producer_tracks_the_topics_it_sends_to(kafka: EmbeddedKafka, tmp_path: Path) -> None:
+    from pipeline.app import create_app
+    from pipeline.settings import Settings
+
+    app = create_app(
+        Settings(
+            data_dir=tmp_path, broker=f"kafka://{kafka.bootstrap}", app_id=f"compat-{uuid.uuid4().hex[:8]}"
+        )
+    )
+    await app.producer.maybe_start()
+    try:
+        producer = compat.kafka_producer(app.producer)
+        old = await _create_topic(kafka.bootstrap, 1)
+        await producer.client.force_metadata_update()
+        await producer.send_and_wait(old, b"x")
+        assert old in producer.client._topics
+    finally:
+        await app.producer.stop()
 
 
 async def test_producer_backlog_and_wake_on_aiokafkas_own_producer() -> None:

@@ -38,6 +38,7 @@ from aiokafka.errors import TopicAlreadyExistsError
 from tqdm import tqdm
 
 from pipeline.client import TopicReader, partitions_of
+from pipeline.compat import track_sent_topics
 from pipeline.devtools.broker import free_port
 from pipeline.devtools.deployment import load_settings
 from pipeline.devtools.procs import WorkerProcess
@@ -468,6 +469,7 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
         max_request_size=8 << 20,
         **client_options(s),
     )
+    track_sent_topics(producer)
     sent_at: dict[Any, float] = {}
     t0 = time.monotonic()
     try:

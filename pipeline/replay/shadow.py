@@ -34,6 +34,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from pipeline.admin import ensure_topics
 from pipeline.client import partitions_of
+from pipeline.compat import track_sent_topics
 from pipeline.devtools.deployment import load_settings
 from pipeline.devtools.procs import WorkerProcess
 from pipeline.kafka_security import client_options
@@ -176,6 +177,7 @@ class Shadow:
             max_request_size=8 << 20,
             **client_options(s),
         )
+        track_sent_topics(producer)
         throttle = Throttle(self.opts.rate(s), time.monotonic)
         target = self.own_t.requests
         if not self.names.owns(target):

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.client import partitions_of
-from pipeline.compat import refresh_metadata
+from pipeline.compat import refresh_metadata, track_sent_topics
 from pipeline.dedup import normalize
 from pipeline.devtools.bench.background import Background, plain_consumer
 from pipeline.devtools.bench.banking77 import copy_source, light_edit, resolve_csv, unseen_questions
@@ -556,6 +556,7 @@ class Sender:
             max_request_size=8 << 20,
             **(security or {}),
         )
+        track_sent_topics(self.producer)
         self.sent: dict[str, Sent] = {}
         self.order: list[Sent] = []
         self._futs: list[asyncio.Future[Any]] = []
