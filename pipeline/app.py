@@ -108,7 +108,7 @@ def create_app(settings: Settings) -> faust.App:
         broker_commit_interval=settings.commit_interval_ms / 1000,
         consumer_auto_offset_reset="earliest",
         producer_acks=-1,
-        producer_linger_ms=2,
+        producer_linger_ms=settings.producer_linger_ms,
         producer_max_request_size=4 * settings.max_record_bytes,
         # a second worker keeps a standby copy of each table partition, so a takeover does not
         # replay a whole changelog

@@ -73,6 +73,14 @@ class Settings(BaseSettings):
         "Faust's 20 minutes, one request the broker never answered held the worker's replies, and "
         "every record after them, that long)",
     )
+    producer_linger_ms: int = Field(
+        2,
+        ge=0,
+        le=1_000,
+        description="how long the worker's producer lets a batch of records wait for company before "
+        "sending it, ms: more means fewer, larger produce requests and that much more latency on every "
+        "hop (request to work topic, reply, reply-book record)",
+    )
     fetch_max_wait_ms: int = Field(
         50,
         ge=1,

@@ -28,7 +28,13 @@ from faust.types.tuples import FutureMessage
 
 from agents.runtime import Runtime
 from pipeline.client import SurgeClient
-from pipeline.compat import forget_topic_metadata, refresh_metadata
+from pipeline.compat import (
+    forget_topic_metadata,
+    kafka_producer,
+    producer_backlog,
+    refresh_metadata,
+    wake_producer,
+)
 from pipeline.devtools.broker import EmbeddedKafka, free_port
 from pipeline.keys import reply_key
 from pipeline.records import DeadLetter, InferenceReply, InferenceRequest, WorkItem, encode, now_ms
@@ -578,6 +584,40 @@ async def test_a_record_is_sent_again_while_the_producer_lacks_the_changelogs_me
         ]
         assert len(writes) >= 1 and len(set(writes)) == 1, writes
         never.set()
+
+
+async def test_a_reply_lingering_while_the_producer_first_meets_a_new_reply_topic_still_goes_out(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    """A gateway's reply topic created after the worker started: the first reply sent there makes the
+    producer refresh its metadata. Faust's producer learnt every other topic from one refresh while
+    tracking none, and aiokafka tracked a topic only when its metadata was missing, so that refresh
+    dropped the reply topic's leaders and a reply lingering at that moment waited for good (the shadow
+    test's failures in CI). With batches that linger 1 s the moment comes every time: without
+    ``pipeline.compat.track_sent_topics`` the plain replies stayed queued, leader None and their topic
+    untracked, in 4 of 4 runs."""
+    from pipeline.admin import ensure_topics
+
+    async with inprocess(kafka, tmp_path, producer_linger_ms="1000") as w:
+        (warm,) = await w.replies(await w.client.submit(request("warm", "u0", "hello there")))
+        assert warm.status == "ok"
+        late = f"{w.topics.replies}.gateway-late"
+        await ensure_topics(w.deployment.settings, extra=[late])
+        gateway = await w.client_of(late)
+        plain = [await w.client.submit(request(f"p{i}", f"u{i}", f"question {i}")) for i in range(4)]
+        await w.client.producer.flush()
+        await asyncio.sleep(0.2)  # the gateway's reply comes after the plain ones, within their linger
+        via_gateway = await gateway.submit(request("g", "u9", "through the gateway", reply_to=late))
+        await gateway.producer.flush()
+        try:
+            answered = await w.replies(*plain, via_gateway)
+        except TimeoutError:
+            producer = kafka_producer(w.rt.app.producer)
+            held = producer_backlog(producer)
+            wake_producer(producer)  # the remedy of a stuck-send report: else the worker cannot stop
+            raise AssertionError(f"replies held inside the producer: {held}") from None
+        assert [r.request_id for r in answered] == ["r-p0", "r-p1", "r-p2", "r-p3", "r-g"]
+        assert all(r.status == "ok" for r in answered)
 
 
 async def test_an_expired_reply_record_is_deleted_on_the_partition_that_holds_it(
