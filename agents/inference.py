@@ -34,7 +34,7 @@ from agents.acks import Ticket
 from agents.exceptions import WorkItemError
 from agents.outcomes import BUSY_FALLBACK, Outcome, Pending, ReplyWriter, request_input
 from agents.runtime import Runtime, event_context, unacked
-from agents.shed import answers_at_once, template_answer
+from agents.shed import answers_at_once, answers_class_at_once, template_answer
 from models.base import ChatMessage, ModelBackend, ModelInput, ModelOutput
 from models.embedder import Embedder
 from pipeline.batcher import AsyncBatcher, BatchObserver
@@ -50,7 +50,7 @@ from pipeline.keys import cache_key, reply_key, scope_of, source_key
 from pipeline.merge import MergeRegistry
 from pipeline.pairs import decision_from_settings
 from pipeline.records import WorkItem, now_ms
-from pipeline.replan import level_in_force, request_plan, split_popped, templates_whole_class
+from pipeline.replan import level_in_force, request_plan, split_popped
 from pipeline.routing import (
     Cached,
     Refused,
@@ -230,7 +230,7 @@ class Inference:
         life = self.rt.lifecycle
         if life is not None and (life.stopping or life.revoking):
             return False
-        if self._templated_class(priority):
+        if answers_class_at_once(self, priority):
             # every record of the class is answered at admission (agents/shed.py): it takes no place
             # in the embedding stage or the queue, so neither strict priority nor the work bound holds
             # it back; the intake-first rule and the producer's buffer still do
@@ -251,17 +251,6 @@ class Inference:
         if not buffer_filling and self._yields_to_intake(priority):
             return False
         return len(self._arrivals[priority]) < s.embed_queue_limit
-
-    def _templated_class(self, priority: str) -> bool:
-        """Whether the level in force answers every record of ``priority`` with a template that reads
-        no vector, at admission (:func:`pipeline.replan.templates_whole_class`)."""
-        template = self.template_model
-        return (
-            template is not None
-            and self.ready.is_set()
-            and templates_whole_class(self.level(), priority)
-            and not template.template_needs_vectors()
-        )
 
     def unsent_writes(self) -> int:
         """Writes made and not yet handed to the producer: table writes in Faust's producer buffer,

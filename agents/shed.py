@@ -27,21 +27,31 @@ from models.base import ModelInput, ModelOutput
 from pipeline.degrade import DegradePlan
 from pipeline.keys import cache_key, scope_of
 from pipeline.records import InferenceReply, Timings, WorkItem, now_ms
-from pipeline.replan import request_plan, templated_at_once
+from pipeline.replan import request_plan, templated_at_once, templates_whole_class
 
 if TYPE_CHECKING:
     from agents.inference import Inference
 
 
-def answers_at_once(inf: Inference, plan: DegradePlan) -> bool:
-    """Whether a request planned to ``plan`` gets the template as soon as it is read: the worker has a
-    template that reads no vector and is ready (:func:`pipeline.replan.templated_at_once`)."""
+def _template_state(inf: Inference) -> tuple[bool, bool]:
+    """Whether the worker is ready with a template model, and whether that template reads vectors."""
     template = inf.template_model
-    return (
-        template is not None
-        and inf.ready.is_set()
-        and templated_at_once(plan, True, template.template_needs_vectors())
-    )
+    if template is None or not inf.ready.is_set():
+        return False, False
+    return True, template.template_needs_vectors()
+
+
+def answers_at_once(inf: Inference, plan: DegradePlan) -> bool:
+    """Whether a request planned to ``plan`` gets the template as soon as it is read
+    (:func:`pipeline.replan.templated_at_once`)."""
+    return templated_at_once(plan, *_template_state(inf))
+
+
+def answers_class_at_once(inf: Inference, priority: str) -> bool:
+    """Whether the level in force answers every record of ``priority`` that way, at admission
+    (:func:`pipeline.replan.templates_whole_class`). Called before each read of a work topic."""
+    available, needs_vectors = _template_state(inf)
+    return available and not needs_vectors and templates_whole_class(inf.level(), priority)
 
 
 def template_answer(inf: Inference, inp: ModelInput, scope: str, key: str | None) -> ModelOutput | None:

@@ -411,8 +411,9 @@ def changelog_message(
 def producer_backlog(producer: AIOKafkaProducer) -> dict[str, Any]:
     """What an aiokafka producer still holds, for a log line when a send waits too long: per
     partition the batches not yet sent (their age in seconds, how often tried, the partition's
-    leader as the producer knows it, whether its metadata refreshes cover the topic), the batches sent and awaiting an answer, the brokers with a
-    request in flight and the partitions muted behind one.
+    leader as the producer knows it, whether its metadata refreshes cover the topic), the batches
+    sent and awaiting an answer, the brokers with a request in flight and the partitions muted
+    behind one.
 
     Why: aiokafka says nothing about a record it has accepted and not delivered. Private:
     ``MessageAccumulator._batches``/``_pending_batches``, ``MessageBatch._ctime``,
@@ -429,7 +430,7 @@ def producer_backlog(producer: AIOKafkaProducer) -> dict[str, Any]:
         f"{tp.topic}[{tp.partition}]": {
             "ages_s": [round(now - b._ctime, 1) for b in batches],
             "tries": [b.retry_count for b in batches],
-            "leader": producer.client.cluster.leader_for_partition(tp),
+            "leader": client.cluster.leader_for_partition(tp),
             "tracked": tp.topic in client._topics,
         }
         for tp, batches in list(acc._batches.items())

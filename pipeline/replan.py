@@ -9,6 +9,7 @@ and takes out the items that the rise sends to the template answer.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import cache
 from typing import Protocol, TypeVar
 
 from pipeline.degrade import DegradePlan, plan
@@ -51,10 +52,12 @@ def templated_at_once(new_plan: DegradePlan, template_available: bool, template_
     return new_plan.use_template and template_available and not template_needs_vectors
 
 
+@cache
 def templates_whole_class(level: int, priority: str) -> bool:
     """Whether ``level`` sends every request of ``priority`` to the template, whatever its tier (at
     level 3: batch and offline). Such a class's reader is not held back by strict priority: its
-    records are answered at admission and take no place in the embedding stage or the queue."""
+    records are answered at admission and take no place in the embedding stage or the queue.
+    Cached: asked before each read of a work topic, and the levels' rules never change."""
     return all(plan(level, priority, tier, 1, False).use_template for tier in TIERS)
 
 
