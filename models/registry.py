@@ -28,10 +28,24 @@ def apply_num_threads(settings: Settings) -> None:
     threadpool_limits(limits=1, user_api="blas")
 
 
+def cap_primitive_cache(settings: Settings) -> None:
+    """``SURGE_ONEDNN_PRIMITIVE_CACHE_ENTRIES``: how many compiled kernels oneDNN keeps in this
+    process (docs/architecture.md, "Threads and the GIL").
+
+    Process-wide, and read by oneDNN once, when it first compiles a kernel: so this runs before any
+    model or the embedder is loaded (tracing the embedder already runs it). torch has no call for it,
+    only oneDNN's environment variable, which this sets (the setting wins over a value already there).
+    """
+    import os
+
+    os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(settings.onednn_primitive_cache_entries)
+
+
 def build_model(settings: Settings) -> ModelBackend:
     """The answer model named by ``settings.model`` (not loaded yet: the worker calls ``load``),
-    with torch's thread count set from ``model_num_threads`` first."""
+    with torch's thread count and oneDNN's kernel cache set from the settings first."""
     apply_num_threads(settings)
+    cap_primitive_cache(settings)
     if settings.model == "faq":
         return build_faq(settings)
     if settings.model == "echo":

@@ -1,10 +1,13 @@
 """What a worker process sets up around its threads (docs/architecture.md, "Threads and the GIL"): a
-short GIL switch interval, one BLAS thread, and a ``/status`` page that does not stop the event loop."""
+short GIL switch interval, one BLAS thread, a small oneDNN kernel cache, and a ``/status`` page that
+does not stop the event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -85,6 +88,56 @@ def test_numpys_blas_gets_one_thread() -> None:
     blas = [pool for pool in threadpool_info() if pool["user_api"] == "blas"]
     assert blas, "numpy links a BLAS"
     assert all(pool["num_threads"] == 1 for pool in blas)
+
+
+# The embedder in a process of its own, set up as a worker sets it up (build_model, then the shared
+# embedder), given batches of 1-8 made-up questions of 1-40 words: about 300 input shapes. Prints
+# the process's RSS growth from the 20th call to the 200th, in MiB.
+_EMBED_GROWTH = """
+import random, sys
+from models.embedder import shared_embedder
+from models.registry import build_model
+from pipeline.settings import Settings
+
+build_model(Settings.load(model="echo", model_num_threads=1))
+embedder = shared_embedder()
+words = "card pin transfer refund account balance fee charge limit cash atm top up rate".split()
+rng = random.Random(1)
+
+def rss_mib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+
+for call in range(1, 201):
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 40))) for _ in range(rng.randint(1, 8))]
+    embedder.embed(texts)
+    if call == 20:
+        warm = rss_mib()
+print(rss_mib() - warm)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RSS from /proc")
+def test_the_embedders_memory_stays_flat_across_input_shapes() -> None:
+    """oneDNN compiles a kernel per operation and input shape and by default keeps 1,024 of them with
+    their scratch memory; a worker keeps ``SURGE_ONEDNN_PRIMITIVE_CACHE_ENTRIES`` (8), so a stream of
+    new batch shapes does not grow it. Both processes run side by side: the default, and oneDNN's own."""
+    runs = {}
+    for entries in ("8", "1024"):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SURGE_", "ONEDNN_"))}
+        if entries != "8":
+            env["SURGE_ONEDNN_PRIMITIVE_CACHE_ENTRIES"] = entries
+        runs[entries] = subprocess.Popen(
+            [sys.executable, "-c", _EMBED_GROWTH], env=env, stdout=subprocess.PIPE, text=True
+        )
+    growth = {}
+    for entries, proc in runs.items():
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0
+        growth[entries] = float(out.split()[-1])
+    assert growth["8"] <= 12, growth
+    assert growth["1024"] >= 2 * growth["8"] + 8, growth  # what the setting saves
 
 
 # ``/status`` is polled every 0.5 s by the failover benchmark and by operators' scrapers.
