@@ -210,8 +210,8 @@ class Settings(BaseSettings):
         le=65536,
         description="kernels oneDNN keeps compiled in a worker, one per operation and input shape "
         "(oneDNN's default is 1,024): each embedding batch of a new size or length adds some, so with "
-        "the default the embedder's memory grows by 30-60 MiB over its first minutes; 8 holds it flat at "
-        'no measured cost in speed (docs/architecture.md, "Threads and the GIL")',
+        "the default the embedder's memory grows by 45-56 MiB over its first minutes, with 8 by 15-19 MiB, "
+        'at no measured cost in speed (docs/architecture.md, "Threads and the GIL")',
     )
     gil_switch_interval_ms: float = Field(
         1.0,
