@@ -566,7 +566,7 @@ class RiskAgents:
             for ev in events:
                 msg = ev.message
                 try:
-                    items = unpack(msg.value, (msg.topic, msg.partition, msg.offset))
+                    items = unpack(msg.value, (msg.topic, msg.partition, msg.offset), kind)
                 except RepartitionRecordError as exc:
                     futures.append(await self.rt.deadletter(ev, "internal", exc.message))
                     continue

@@ -475,7 +475,7 @@ class Settings(BaseSettings):
         5.0, gt=0, description="amounts at or below this count as small (card testing), currency units"
     )
     risk_dedup_ids: int = Field(
-        16, ge=1, le=4096, description="event ids each entity remembers so a redelivered event counts once"
+        16, ge=1, le=4096, description="event ids each account remembers so an event sent again counts once"
     )
     risk_seen_max: int = Field(
         64, ge=1, le=4096, description="devices and countries an account remembers for first-seen features"

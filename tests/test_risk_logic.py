@@ -163,6 +163,29 @@ def test_redelivered_event_counts_once_and_late_events_are_not_added() -> None:
     assert feats("card", step(c, CFG, cs, ev(2, T0)))["card_count_24h"] == 1
 
 
+def test_two_accounts_events_with_one_id_on_a_shared_ip_are_two_events() -> None:
+    """Event ids are each account's own: account y's e1 on the ip account x's e1 used is a new event
+    there, decided and counted, online (the ip stage) and offline (the engine) alike. When every
+    entity judged repeats by id, y's e1 was dropped at the ip stage: no decision, no dead letter."""
+    x1 = ev(1, T0, account="x", card="cx", ip="i1")
+    y1 = ev(1, T0 + 10, account="y", card="cy", ip="i1")
+    y2 = ev(2, T0 + 20, account="y", card="cy", ip="i1")
+    stage = Stage("ip", CFG, 8, StateCache(10), lambda key, ctx: None)
+    res = stage.run(
+        [(new_item(dict(e), "v", T0, T0), None) for e in (x1, y1, y2)], [(0, i, 0) for i in range(3)]
+    )
+    assert res.duplicates == 0
+    decided = [(i["e"]["account"], i["e"]["event_id"]) for i, _ in res.decide]
+    assert decided == [("x", "e1"), ("y", "e1"), ("y", "e2")]
+    assert [full_features(i["f"])["ip_count_1m"] for i, _ in res.decide] == [0, 1, 2]
+    engine = FeatureEngine(CFG)
+    out = [engine.process(dict(e)) for e in (x1, y1, y2)]
+    assert [status for status, _ in out] == [OK, OK, OK]
+    assert [f["ip_count_1m"] for _, f in out if f is not None] == [0, 1, 2]
+    # the account still judges its own repeats: y's e1 again is a duplicate, nowhere counted
+    assert engine.process(dict(y1)) == (DUP, None)
+
+
 def test_state_json_round_trip_keeps_features() -> None:
     s = SPECS["ip"]
     a, b = EntityState(s, CFG), None
@@ -451,6 +474,41 @@ def test_items_an_upstream_stage_sends_again_are_skipped_downstream_however_many
         unpack(pack([dict(late_new[0], o=["x", 0, 1, 2])]), ("t", 3, 9))
 
 
+@pytest.mark.parametrize(
+    "poison",
+    [
+        lambda i: i["e"].pop("event_id"),
+        lambda i: i["e"].update(amount="12.5"),
+        lambda i: i["e"].update(amount=True),
+        lambda i: i["e"].update(amount=-1.0),
+        lambda i: i["e"].update(event_time_ms=1.5),
+        lambda i: i["e"].update(card=None),  # at the card stage
+        lambda i: i["e"].update(account=["a1"]),
+        lambda i: i["e"].update(extra=1),
+        lambda i: i.update(e=[]),
+        lambda i: i["f"].update(account=[1, 2]),
+        lambda i: i["f"].update(account=["x"] * len(NAMES["account"])),
+        lambda i: i["f"].update(planet=[]),
+        lambda i: i.update(rv=7),
+        lambda i: i.pop("ts"),
+        lambda i: i.update(o=["x", 0, 1, 2]),
+    ],
+)
+def test_a_repartition_item_surge_did_not_write_is_refused_not_read(poison: Any) -> None:
+    """Each item is checked as the stages, the decision and the model read it: one that would raise
+    there (a missing event id, an amount of the wrong type, features of the wrong length ...) makes
+    the record a RepartitionRecordError, which the worker dead-letters. A record with such an item
+    once stopped the risk worker with a KeyError, again each time it read the record anew."""
+    stage = Stage("account", CFG, 8, StateCache(10), lambda key, ctx: None)
+    res = stage.run([(new_item(ev(1, T0), "v", T0, T0), None)], [(0, 0, 0)])
+    good = unpack(pack(res.forward[("card", partition_for("c1", 8))]), ("t", 1, 0), "card")
+    assert good[0]["e"]["event_id"] == "e1" and len(good[0]["f"]["account"]) == len(NAMES["account"])
+    bad = json.loads(pack(good))["items"][0]
+    poison(bad)
+    with pytest.raises(RepartitionRecordError, match=r"t\[1\]@5: item 1: "):
+        unpack(pack([good[0], bad]), ("t", 1, 5), "card")
+
+
 def test_state_cache_is_an_lru() -> None:
     c = StateCache(2)
     a, b, d = (EntityState(SPECS["ip"], CFG) for _ in range(3))
@@ -576,6 +634,8 @@ def test_decision_record_validates_as_a_risk_decision() -> None:
 def test_decode_event_says_what_is_wrong() -> None:
     good = ev(1, T0)
     assert decode_event(json.dumps(good).encode(), b"a1", max_record_bytes=10_000).account == "a1"
+    whole = decode_event(json.dumps({**good, "amount": 12}).encode(), b"a1", max_record_bytes=10_000)
+    assert whole.amount == 12.0 and type(whole.amount) is float  # an integer is a number too
     cases = [
         (None, b"a1", "empty record"),
         (b"x" * 20_000, b"a1", "20000 bytes; the limit is 10000"),
@@ -588,6 +648,11 @@ def test_decode_event_says_what_is_wrong() -> None:
         (json.dumps({**good, "event_time_ms": "soon"}).encode(), b"a1", "event_time_ms"),
         (json.dumps({**good, "extra": 1}).encode(), b"a1", "extra"),
         (json.dumps(good).encode(), b"a2", "differs from account"),
+        # no key: on whatever partition it lands it would start a second state of its account
+        (json.dumps(good).encode(), None, "no key; key risk events by their account"),
+        # an amount is a number: not a string, not a boolean (pydantic's lax mode took both)
+        (json.dumps({**good, "amount": "12.5"}).encode(), b"a1", "amount"),
+        (json.dumps({**good, "amount": True}).encode(), b"a1", "amount"),
     ]
     for raw, key, match in cases:
         with pytest.raises(InvalidRiskEventError, match=match):

@@ -99,7 +99,8 @@ def cents(amount: float) -> int:
 
 
 class EntityState:
-    """One entity's tiles, head, first-seen values and recent event ids. JSON via :meth:`dumps`.
+    """One entity's tiles, head, first-seen values and (an account's) recent event ids. JSON via
+    :meth:`dumps`.
 
     Tiles and first-seen values are tuples of numbers and strings, replaced rather than changed in
     place: the garbage collector stops tracking such tuples (and the dicts holding only them), so a
@@ -151,7 +152,8 @@ class EntityState:
         st.wrote = obj.get("w")  # absent in states written before expiry existed
         st.tiles = [{idx: (t[0], t[1], t[2], *map(tuple, t[3:])) for idx, t in ts} for ts in obj["t"]]
         st.seen = {f: tuple(obj["s"].get(f, ())) for f in spec.seen}
-        st.recent.extend(obj["r"])
+        if spec.kind == "account":  # other kinds kept ids before only the account judged repeats
+            st.recent.extend(obj["r"])
         pos = obj.get("p")  # absent in states written before positions were kept
         st.pos = (pos[0], pos[1], pos[2]) if pos else None
         st.ups = {(u[0], u[1]): (u[2], u[3]) for u in obj.get("u", ())}
@@ -186,18 +188,24 @@ _ZEROS: dict[bool, list[list[Any]]] = {
 def step(spec: EntitySpec, cfg: FeatureConfig, state: EntityState, ev: dict[str, Any]) -> StepResult:
     """Read the entity's features as of ``ev`` (a RiskEvent as a dict), then add ``ev`` to ``state``.
 
-    Idempotent per ``event_id``: an event found among the entity's recent ids returns DUP and changes
-    nothing. On the account, an event more than ``grace_ms`` behind the head returns LATE and is only
-    remembered as seen. Windows: see :class:`pipeline.risk.windows.Window` (``span`` and ``floor``).
+    Idempotent per ``event_id`` on the account: an event found among the account's recent ids
+    returns DUP and changes nothing, and an event more than ``grace_ms`` behind the head returns LATE
+    and is only remembered as seen. Only the account judges repeats: ids are the account's own, so
+    two accounts' events with one id on a shared card, device or ip are two events, and what the
+    account took as new is counted everywhere it goes (an upstream stage's repeats are skipped by
+    position in :meth:`pipeline.risk.stages.Stage.run`; docs/architecture.md, "Risk: takeover").
+    Windows: see :class:`pipeline.risk.windows.Window` (``span`` and ``floor``).
     """
+    account = spec.kind == "account"
     eid = ev["event_id"]
-    if eid in state.recent:
-        return StepResult(DUP)
     t: int = ev["event_time_ms"]
     prev = state.head
-    if spec.kind == "account" and prev is not None and t < prev - cfg.grace_ms:
-        state.recent.append(eid)
-        return StepResult(LATE, watermark_ms=prev)
+    if account:
+        if eid in state.recent:
+            return StepResult(DUP)
+        if prev is not None and t < prev - cfg.grace_ms:
+            state.recent.append(eid)
+            return StepResult(LATE, watermark_ms=prev)
     head = t if prev is None or t > prev else prev
     amount = cents(ev["amount"])
     fields = spec.distinct
@@ -279,7 +287,8 @@ def step(spec: EntitySpec, cfg: FeatureConfig, state: EntityState, ev: dict[str,
             if v is not None and v not in seen:
                 state.seen[f] = (*seen, v)[-cfg.seen_max :]
     state.head = head
-    state.recent.append(eid)
+    if account:
+        state.recent.append(eid)
     return StepResult(OK, out)
 
 

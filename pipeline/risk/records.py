@@ -79,7 +79,8 @@ class RiskEvent(BaseModel):
     card: Id | None = None
     device: Id | None = None
     ip: Annotated[str, Field(min_length=1, max_length=64)] | None = None
-    amount: Annotated[float, Field(ge=0, le=MAX_AMOUNT, allow_inf_nan=False)] = 0.0
+    #: strict: a JSON number (an integer is taken as a float), never a string or a boolean
+    amount: Annotated[float, Field(ge=0, le=MAX_AMOUNT, allow_inf_nan=False, strict=True)] = 0.0
     currency: Annotated[str, Field(pattern=r"^[A-Z]{3}$")] = "EUR"
     merchant: Id | None = None
     country: Annotated[str, Field(pattern=r"^[A-Z]{2}$")]
@@ -180,6 +181,14 @@ def decode_event(raw: bytes | None, key: bytes | None, *, max_record_bytes: int)
         raise InvalidRiskEventError(f"invalid risk event: {describe(exc)}") from exc
     except (ValueError, RecursionError) as exc:  # pragma: no cover - pydantic wraps these
         raise InvalidRiskEventError(f"record is not valid JSON: {exc}") from exc
+    if key is None:
+        # an account's features live on the partition its id hashes to; an event without a key lands
+        # on any partition and would be counted in a second state of its account there, out of sight of
+        # the velocity rules (docs/architecture.md, "Risk")
+        raise InvalidRiskEventError(
+            f"the record has no key; key risk events by their account ({ev.account[:80]!r}), so that all "
+            "of an account's events reach the partition that holds its features"
+        )
     check_key(key, "account", ev.account, "risk events", InvalidRiskEventError)
     return ev
 

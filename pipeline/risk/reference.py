@@ -9,7 +9,8 @@ kind counts, and the feature names.
 An event counts in the window of a later event ``x`` of the same entity when its tile (event time //
 tile size) lies in ``[tile(x) - tiles + 1, tile(x)]`` and is not below the floor kept behind the
 entity's head as of ``x`` (the latest event time among the entity's events up to and including ``x``).
-Duplicates (an event id seen before by that entity) are skipped; on the account, an event more than
+Duplicates (an account's event id seen before by that entity: ids are each account's own) are
+skipped; on the account, an event more than
 the grace period behind the account's head is late and skipped. A distinct count is the count up to
 ``distinct_max``.
 """
@@ -30,7 +31,7 @@ def recompute(
     without this kind's entity are ignored)."""
     spec = SPECS[kind]
     history: dict[str, list[dict[str, Any]]] = {}
-    ids: dict[str, set[str]] = {}
+    ids: dict[str, set[tuple[str, str]]] = {}
     out: dict[str, dict[str, Any]] = {}
     late: set[str] = set()
     for ev in events:
@@ -38,9 +39,10 @@ def recompute(
         if key is None:
             continue
         seen_ids = ids.setdefault(key, set())
-        if ev["event_id"] in seen_ids:
+        ident = (ev["account"], ev["event_id"])
+        if ident in seen_ids:
             continue
-        seen_ids.add(ev["event_id"])
+        seen_ids.add(ident)
         past = history.setdefault(key, [])
         t = ev["event_time_ms"]
         if kind == "account" and past and t < max(p["event_time_ms"] for p in past) - cfg.grace_ms:

@@ -31,7 +31,7 @@ from pipeline.exceptions import SurgeError
 from pipeline.risk import jsonio
 from pipeline.risk.expiry import expired
 from pipeline.risk.features import DUP, LATE, NAMES, SPECS, EntityState, FeatureConfig, step
-from pipeline.risk.records import ENTITY_KINDS
+from pipeline.risk.records import ENTITY_KINDS, MAX_AMOUNT
 
 #: the kinds that are reached through a repartition topic
 REKEYED_KINDS: tuple[str, ...] = ENTITY_KINDS[1:]
@@ -101,21 +101,72 @@ def pack(items: Sequence[dict[str, Any]]) -> bytes:
     return jsonio.dumps({"items": list(items)})
 
 
-def unpack(raw: bytes | None, where: tuple[str, int, int]) -> list[dict[str, Any]]:
-    """The items of one repartition record; :class:`RepartitionRecordError` for anything else."""
+def unpack(raw: bytes | None, where: tuple[str, int, int], kind: str | None = None) -> list[dict[str, Any]]:
+    """The items of one repartition record, each checked as a stage, the decision and the model will
+    read it (for the stage of ``kind``, its entity must be there); :class:`RepartitionRecordError`
+    for anything else. surge writes these records itself, but a record it did not write (a client
+    with access to the topic, a worker of another version in a rolling upgrade) must be
+    dead-lettered, not stop the worker each time it reads the record again."""
     try:
         items = jsonio.loads(raw or b"")["items"]
-        if not isinstance(items, list) or not all(
-            isinstance(i, dict)
-            and isinstance(i.get("e"), dict)
-            and isinstance(i.get("f"), dict)
-            and _origin_ok(i.get("o"))
-            for i in items
-        ):
-            raise ValueError("items must be a list of {e, f, ...} objects, o (if any) four integers")
+        if not isinstance(items, list):
+            raise ValueError("items must be a list")
+        for n, item in enumerate(items):
+            problem = _item_problem(item, kind)
+            if problem is not None:
+                raise ValueError(f"item {n}: {problem}")
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise RepartitionRecordError(*where, repr(exc)) from exc
+        raise RepartitionRecordError(*where, str(exc)) from exc
     return items
+
+
+#: an item's event as the account stage writes it (``RiskEvent.model_dump``): field -> allowed types
+_EVENT_FIELDS: dict[str, tuple[type, ...]] = {
+    "event_id": (str,),
+    "type": (str,),
+    "account": (str,),
+    "card": (str, type(None)),
+    "device": (str, type(None)),
+    "ip": (str, type(None)),
+    "amount": (float, int),
+    "currency": (str,),
+    "merchant": (str, type(None)),
+    "country": (str,),
+    "event_time_ms": (int,),
+}
+_FEATURE_TYPES = frozenset((int, float, type(None)))
+
+
+def _item_problem(item: Any, kind: str | None) -> str | None:
+    """What is wrong with one repartition item, or None. Types are checked exactly (``type(x) in``:
+    no bools for numbers), so an item read here is one the stages, :func:`decision_record` and the
+    model can take."""
+    if type(item) is not dict:
+        return "not an object"
+    ev, feats = item.get("e"), item.get("f")
+    if type(ev) is not dict or ev.keys() != _EVENT_FIELDS.keys():
+        return f"e must be an event with the fields {', '.join(_EVENT_FIELDS)}"
+    for name, types in _EVENT_FIELDS.items():
+        if type(ev[name]) not in types:
+            return f"e.{name} has type {type(ev[name]).__name__}"
+    amount = ev["amount"]
+    if not 0 <= amount <= MAX_AMOUNT:  # False for NaN too
+        return f"e.amount {amount!r} is outside [0, {MAX_AMOUNT:g}]"
+    if kind is not None and ev[kind] is None:
+        return f"the event has no {kind}, yet it came to the {kind} stage"
+    if type(feats) is not dict:
+        return "f must be an object"
+    for k, values in feats.items():
+        names = NAMES.get(k)
+        if names is None or type(values) is not list or len(values) != len(names):
+            return f"f.{k} must be the {len(names or ())} values of a known entity kind"
+        if not _FEATURE_TYPES.issuperset(map(type, values)):
+            return f"f.{k} holds a value that is not a number or null"
+    if type(item.get("rv")) is not str or type(item.get("ts")) is not int:
+        return "rv must be a string and ts an integer"
+    if not _origin_ok(item.get("o")):
+        return "o (if any) must be four integers"
+    return None
 
 
 def _origin_ok(o: Any) -> bool:
