@@ -91,6 +91,14 @@ class Intake:
         except InvalidRequestError as exc:
             rt.acker.ack_after([ticket], await reject(rt, event, exc.code, exc.message, exc.message))
             return
+        if msg.key is None:
+            # a record without a key lands on any partition, but its user's rate-limit bucket lives on
+            # the partition the user id hashes to (and a user's requests keep their order there): it
+            # is sent on, keyed by its user_id, and handled when it comes back on that partition
+            # (docs/architecture.md, "Security")
+            assert msg.value is not None  # decode_request refused an empty record
+            rt.acker.ack_after([ticket], [await rt.send(rt.topics.requests, req.user_id, msg.value)])
+            return
         recorded = rt.recorded(req.tenant, req.user_id, req.request_id, reply_to)
         if recorded is not None:
             futures.append(

@@ -28,7 +28,7 @@ from typing import Any
 
 from pipeline.auth import ApiKey, tenant_user_id
 from pipeline.exceptions import InvalidRequestError
-from pipeline.records import InferenceReply, decode_request
+from pipeline.records import MAX_DEADLINE_MS, InferenceReply, decode_request
 from pipeline.settings import PRIORITIES, TIERS, Settings
 
 #: HTTP status of each error code (docs/architecture.md, "Records", plus the gateway's own)
@@ -264,14 +264,14 @@ def build_request(
     deadline_ms: Any = headers.get("X-Surge-Deadline-Ms")
     if deadline_ms is not None:
         text = deadline_ms.strip()
-        if not _DEADLINE_HEADER_RE.fullmatch(text) or int(text) <= 0:
+        if not _DEADLINE_HEADER_RE.fullmatch(text) or not 0 < int(text) <= MAX_DEADLINE_MS:
             raise InvalidRequestError(
-                "X-Surge-Deadline-Ms must be a positive integer of at most 12 ASCII digits, "
+                f"X-Surge-Deadline-Ms must be an integer 1-{MAX_DEADLINE_MS} (a week) in ASCII digits, "
                 f"got {deadline_ms[:40]!r}"
             )
         deadline_ms = int(text)
     else:
-        deadline_ms = _int_field(body, "deadline_ms", 1, None)
+        deadline_ms = _int_field(body, "deadline_ms", 1, MAX_DEADLINE_MS)
 
     req: dict[str, Any] = {
         "request_id": request_id,

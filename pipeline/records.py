@@ -19,6 +19,11 @@ from pipeline.exceptions import InvalidRequestError
 from pipeline.terms import Priority, Tier  # defined there; still importable from here
 
 Id = Annotated[str, Field(min_length=1, max_length=128)]
+#: longest deadline a client may give (``deadline_ms``): a week. Unbounded, a 400-digit deadline
+#: passed validation and stopped every worker that read it, in each float conversion of its time.
+MAX_DEADLINE_MS = 7 * 86_400_000
+#: latest time (epoch ms) a record may carry: the year 2286
+MAX_TIME_MS = 10**13
 _TOPIC_RE = re.compile(r"[A-Za-z0-9._-]+")
 #: a UTF-8 byte order mark: RFC 8259 (section 8.1) lets a parser ignore one at the start of a JSON
 #: text, and some producers write it (.NET's UTF8Encoding with its preamble, PowerShell)
@@ -57,11 +62,11 @@ class InferenceRequest(BaseModel):
     max_tokens: Annotated[int, Field(ge=1, le=4096, strict=True)] = 256
     temperature: Annotated[float, Field(ge=0, le=2)] = 0.0
     logprobs: Annotated[bool, Field(strict=True)] = False
-    deadline_ms: Annotated[int, Field(gt=0, strict=True)] | None = None
+    deadline_ms: Annotated[int, Field(gt=0, le=MAX_DEADLINE_MS, strict=True)] | None = None
     reply_to: Annotated[str, Field(min_length=1, max_length=249, pattern=r"^[A-Za-z0-9._-]+$")] | None = None
     cache: Annotated[bool, Field(strict=True)] = True
     model: Annotated[str, Field(max_length=256)] | None = None
-    created_at: Annotated[int, Field(ge=0, strict=True)] | None = None
+    created_at: Annotated[int, Field(ge=0, le=MAX_TIME_MS, strict=True)] | None = None
 
     @field_validator("messages")
     @classmethod
@@ -113,10 +118,10 @@ class WorkItem(BaseModel):
     priority: Priority
     tier: Tier
     reply_to: str
-    created_at_ms: int
-    arrival_ms: int
+    created_at_ms: Annotated[int, Field(ge=0, le=MAX_TIME_MS)]
+    arrival_ms: Annotated[int, Field(ge=0, le=MAX_TIME_MS)]
     #: None for a class without a deadline (offline); ``encode`` drops it, so it must default
-    deadline_at_ms: int | None = None
+    deadline_at_ms: Annotated[int, Field(ge=0, le=MAX_TIME_MS + MAX_DEADLINE_MS)] | None = None
     cache_key: str | None = None
     #: the client shortened the class deadline (``deadline_ms``) or dated its request before it
     #: reached the broker: a miss of such a request says nothing about the pipeline's load, so it is

@@ -712,6 +712,33 @@ async def test_a_user_over_its_rate_limit_gets_the_rate_limit_error(
         assert await w.count(w.topics.deadletter) == 0, "a refusal is no dead letter"
 
 
+async def test_a_users_requests_without_a_key_share_one_bucket_whatever_their_partitions(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    """Records without a key, written by a producer that is not aiokafka to three different
+    partitions: intake sends each on keyed by its user_id, so all three meet the user's one bucket
+    (burst 2) on the user's partition and the third is refused. Handled where they landed, each met
+    a bucket of its own there (Faust reads the table on the record's partition): all three served."""
+    producer = Producer({"bootstrap.servers": kafka.bootstrap})
+    async with inprocess(
+        kafka, tmp_path, rate_limit_enabled="true", user_burst_free="2", user_rate_per_s_free="0.001"
+    ) as w:
+        futures = [w.client.expect(f"r-nokey-{p}") for p in range(3)]
+        for p in range(3):
+            raw = json.dumps(request(f"nokey-{p}", "spreader", f"question {p}", tier="free")).encode()
+            producer.produce(w.topics.requests, value=raw, partition=p)
+        assert producer.flush(10) == 0
+        replies = list(await asyncio.wait_for(asyncio.gather(*futures), REPLY_TIMEOUT_S))
+        await w.settled()
+
+        assert sorted(r.status for r in replies) == ["error", "ok", "ok"], replies
+        refused = next(r for r in replies if r.status == "error")
+        assert refused.error is not None and refused.error.code == "rate_limited"
+        assert await w.count(w.topics.replies) == 3, "one reply per request"
+        sent_on = [r for r in await w.records(w.topics.requests, 6) if r.key == b"spreader"]
+        assert len(sent_on) == 3, "each unkeyed record sent on once, keyed by its user"
+
+
 async def test_records_thrown_away_when_faust_resumes_its_flow_are_read_again(
     kafka: EmbeddedKafka, tmp_path: Path
 ) -> None:

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from pipeline.exceptions import InvalidRequestError
 from pipeline.records import (
@@ -17,6 +18,7 @@ from pipeline.records import (
     InferenceRequest,
     Message,
     Timings,
+    WorkItem,
     deadletter_key,
     decode_request,
     encode,
@@ -236,6 +238,26 @@ def test_limits_are_configurable() -> None:
 def test_key_must_equal_user_id() -> None:
     msg = rejected(raw_of(base()), key=b"someone-else")
     assert "'someone-else'" in msg and "'user-1'" in msg
+
+
+def test_a_deadline_past_a_week_or_a_date_past_the_year_2286_is_refused() -> None:
+    """A 400-digit ``deadline_ms`` on an offline request passed validation and stopped every worker
+    that read it (the scheduler's float arithmetic overflowed), again after each restart."""
+    assert "deadline_ms" in rejected(base(priority="offline", deadline_ms=10**400))
+    assert "deadline_ms" in rejected(base(deadline_ms=7 * 86_400_000 + 1))
+    assert decode(raw_of(base(priority="offline", deadline_ms=7 * 86_400_000))).deadline_ms == 604_800_000
+    assert "created_at" in rejected(base(created_at=10**13 + 1))
+    item = {
+        "request": base(),
+        "priority": "offline",
+        "tier": "standard",
+        "reply_to": "surge.replies",
+        "created_at_ms": 1,
+        "arrival_ms": 1,
+    }
+    assert WorkItem.model_validate({**item, "deadline_at_ms": 10**13}).deadline_at_ms == 10**13
+    with pytest.raises(ValidationError):  # on an internal topic, from a client with access to it
+        WorkItem.model_validate({**item, "deadline_at_ms": 10**400})
 
 
 def test_missing_key_is_accepted() -> None:

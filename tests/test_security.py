@@ -180,7 +180,13 @@ def test_the_request_carries_the_keys_tenant_tier_and_priority() -> None:
         (None, {"X-Surge-Deadline-Ms": "\u00b2"}, "ASCII digits"),
         (None, {"X-Surge-Deadline-Ms": "\u0661\u0662\u0663"}, "ASCII digits"),
         (None, {"X-Surge-Deadline-Ms": "9" * 5000}, "ASCII digits"),
-        (None, {"X-Surge-Deadline-Ms": "0"}, "positive integer"),
+        (None, {"X-Surge-Deadline-Ms": "0"}, "integer 1-604800000"),
+        (None, {"X-Surge-Deadline-Ms": "999999999999"}, "integer 1-604800000"),
+        (
+            b'{"deadline_ms": 1' + b"0" * 400 + b', "messages": [{"role": "user", "content": "hi"}]}',
+            {},
+            "1-604800000",
+        ),
     ],
 )
 def test_edge_case_bodies_and_headers_are_invalid_requests(
