@@ -34,7 +34,7 @@ from pipeline.records import (
     now_ms,
     salvage_ids,
 )
-from pipeline.scheduler import CLOCK_SLACK_MS, absolute_deadline_ms, request_created_ms
+from pipeline.scheduler import absolute_deadline_ms, client_dated, request_created_ms
 from pipeline.settings import Settings
 
 log = logging.getLogger("surge.intake")
@@ -197,10 +197,10 @@ class Intake:
                 return await rt.publish(
                     reply, tenant=req.tenant, reply_to=reply_to, created_at_ms=created, event=event
                 )
-        client_dated = (req.deadline_ms is not None and (class_ms is None or req.deadline_ms < class_ms)) or (
-            # dated more than the clock slack before its record reached the broker: "client-dated",
-            # its deadline misses stay out of the degradation controller's miss rate
-            created < record_ms - CLOCK_SLACK_MS
+        # the client shortened the deadline, or dated the request before its record reached the
+        # broker: its deadline misses stay out of the degradation controller's miss rate
+        dated = (req.deadline_ms is not None and (class_ms is None or req.deadline_ms < class_ms)) or (
+            client_dated(created, record_ms, class_ms)
         )
         item = WorkItem(
             request=req,
@@ -211,7 +211,7 @@ class Intake:
             arrival_ms=now,
             deadline_at_ms=None if deadline is None else int(deadline),
             cache_key=key,
-            client_deadline=client_dated,
+            client_deadline=dated,
         )
         if rt.inference is not None:  # level 3 at the door (agents/shed.py)
             shed = template_at_intake(rt.inference, item)

@@ -429,6 +429,20 @@ def request_created_ms(
     return min(created, min(record_ms, now_ms) + slack_ms)
 
 
+def client_dated(
+    created_ms: int, record_ms: int, class_ms: int | None, slack_ms: int = CLOCK_SLACK_MS
+) -> bool:
+    """Whether a request was dated early by its client: its ``created_ms`` (``created_at``) lies
+    before its record's timestamp (the broker's, on the request topic) by more than the clock slack,
+    or a quarter of its class deadline when that is less. A miss of such a request says nothing of
+    the pipeline's load and stays out of the degradation controller's miss rate. With the slack alone
+    (1 s) a real-time request dated 190 ms early passed as on time, missed its 200 ms inside the
+    worker and counted: a few dozen of them raised the level for every tenant
+    (docs/architecture.md, "Degradation")."""
+    allowed = slack_ms if class_ms is None else min(slack_ms, class_ms // 4)
+    return created_ms < record_ms - allowed
+
+
 def absolute_deadline_ms(created_at_ms: float, class_ms: int | None, request_ms: int | None) -> float | None:
     """The class deadline counted from ``created_at_ms``, shortened (never lengthened) by the
     request's own ``deadline_ms``; None when neither sets one."""

@@ -24,6 +24,7 @@ from pipeline.scheduler import (
     SchedulerConfig,
     Tier,
     absolute_deadline_ms,
+    client_dated,
     make_queue_policy,
     request_created_ms,
 )
@@ -537,6 +538,19 @@ def test_take_where_removes_what_it_selects_in_arrival_order_and_the_queue_works
     assert popped.items == [] and popped.expired == []
     s.offer(item("late", at=clock.now))
     assert ids(s.pop_batch().items) == ["late"]
+
+
+def test_a_request_dated_early_by_more_than_a_quarter_of_its_deadline_is_client_dated() -> None:
+    """Back-dated by 190 ms, a real-time request (200 ms) passed intake as on time with the 1 s clock
+    slack, missed inside the worker and counted against everyone's degradation level. Now the slack
+    is at most a quarter of the class deadline: 50 ms for real-time, 125 for interactive."""
+    record = 1_700_000_000_000
+    assert client_dated(record - 190, record, 200)
+    assert not client_dated(record - 50, record, 200)  # a producer's clock or a slow send: on time
+    assert client_dated(record - 126, record, 500) and not client_dated(record - 125, record, 500)
+    assert not client_dated(record - 1_000, record, 5_000)  # batch: the 1 s slack
+    assert client_dated(record - 1_001, record, None)  # offline: the slack alone
+    assert not client_dated(record + 900, record, 200)  # dated after its record: never early
 
 
 def test_a_request_dated_in_the_future_never_lengthens_its_deadline() -> None:
