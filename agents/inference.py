@@ -472,8 +472,31 @@ class Inference:
         if not pending.work.client_deadline:
             self.misses.record(True, now)
         done = [Outcome.error(pending, missed)]
-        done.extend(Outcome.error(follower, missed) for follower, _ in self.merges.close(pending.lead_id))
+        for follower, _ in self.merges.close(pending.lead_id):
+            done += self._orphaned(follower, now)
         return done
+
+    def _orphaned(self, follower: Pending, now: float) -> list[Outcome]:
+        """A follower whose leader missed its deadline: its own ``deadline_exceeded`` when its own
+        deadline has passed too, else routed again on its own (it joins another open leader or
+        becomes one), with nothing to reply yet. A follower once failed with its leader: a request
+        whose client asked for 300 ms took down every request that joined it, with 5 s each
+        (docs/architecture.md, "Semantic dedup")."""
+        work = follower.work
+        if work.deadline_at_ms is not None and work.deadline_at_ms <= now:
+            own = int(work.deadline_at_ms - work.created_at_ms)
+            late = int(now - work.deadline_at_ms)
+            return [Outcome.error(follower, DeadlineExceededError(own, late, str(work.priority)))]
+        decision = route(
+            follower,
+            None,
+            rules=self._routing_rules(),
+            merges=self.merges,
+            enqueue=self.batcher.put,
+            vector=follower.vector if self._semantic_ok(follower) else None,
+            now_ms=now,
+        )
+        return [Outcome.error(follower, decision.error)] if isinstance(decision, Refused) else []
 
     async def embed_loop(self) -> None:
         """Embed arrivals in batches, then answer from cache, merge, or queue each one."""

@@ -739,6 +739,32 @@ async def test_a_users_requests_without_a_key_share_one_bucket_whatever_their_pa
         assert len(sent_on) == 3, "each unkeyed record sent on once, keyed by its user"
 
 
+async def test_a_follower_outlives_a_leader_that_missed_the_deadline_its_client_chose(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    """A request asking for 300 ms leads; another user's same question, with the class's own
+    deadline, joins it while the model is busy. The leader misses its 300 ms; the follower is routed
+    again on its own and answered by a model call of its own. It once got the leader's
+    ``deadline_exceeded`` ("missed its deadline of 300 ms"), so one client's deadline failed others."""
+    async with inprocess(kafka, tmp_path, dedup_enabled="true", echo_delay_ms="1500") as w:
+        await w.replies(await w.client.submit(request("warm", "w", "warm up the model")))
+        busy = await w.client.submit(request("busy", "f", "a question that keeps the model busy"))
+        await w.client.producer.flush()
+        await asyncio.sleep(0.3)
+        leader = await w.client.submit(request("lead", "hasty", "what is my card limit", deadline_ms=300))
+        await w.client.producer.flush()
+        await asyncio.sleep(0.1)
+        follower = await w.client.submit(request("follow", "patient", "What is my card limit?"))
+        hasty, patient, _ = await w.replies(leader, follower, busy)
+        await w.settled()
+
+        assert hasty.status == "error" and hasty.error is not None
+        assert hasty.error.code == "deadline_exceeded" and "300 ms" in hasty.error.message
+        assert patient.status == "ok", patient.error
+        assert patient.answer == "What is my card limit?" and patient.merged_into is None
+        assert await w.count(w.topics.replies) == 4, "one reply per request"
+
+
 async def test_records_thrown_away_when_faust_resumes_its_flow_are_read_again(
     kafka: EmbeddedKafka, tmp_path: Path
 ) -> None:
