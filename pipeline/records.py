@@ -100,13 +100,16 @@ class InferenceRequest(BaseModel):
         return self.chat()[-1].content
 
     def context(self) -> list[tuple[str, str]]:
-        """Every message but the last user message, as (role, content): the part of the conversation
-        that cache and merge scopes cover, so a different system prompt or history never shares."""
+        """The conversation as (role, content) with the message :meth:`text` compares replaced by a
+        marker, ``("?" + its role, "")``, where it stood: the part that cache and merge scopes cover,
+        so a different system prompt or history never shares, nor the same messages in another
+        order (a question before or after an assistant's greeting), nor the same text from another
+        role (a lone system message against a lone user one). Without the marker each of those pairs
+        had one scope and one exact key, and one user's crafted conversation could fill the cache
+        for the others of its tenant (docs/architecture.md, "Caches and scopes")."""
         chat = self.chat()
-        for i in range(len(chat) - 1, -1, -1):
-            if chat[i].role == "user":
-                return [(m.role, m.content) for j, m in enumerate(chat) if j != i]
-        return [(m.role, m.content) for m in chat[:-1]]
+        at = next((i for i in range(len(chat) - 1, -1, -1) if chat[i].role == "user"), len(chat) - 1)
+        return [(f"?{m.role}", "") if j == at else (m.role, m.content) for j, m in enumerate(chat)]
 
 
 class WorkItem(BaseModel):

@@ -72,6 +72,25 @@ def test_scope_covers_the_whole_conversation_and_the_model_version() -> None:
     assert cache_key(french.text(), _scope(french)) != cache_key(plain.text(), _scope(plain))
 
 
+def test_the_same_messages_in_another_order_or_from_another_role_never_share_a_scope() -> None:
+    """Pairs that once had one scope and one exact key: a question before or after an assistant's
+    greeting, a follow-up placed before or after the answer it follows, a lone system message and a
+    lone user message with the same text. One user's crafted conversation filled the cache that the
+    other conversation of the pair then read."""
+    q, g = {"role": "user", "content": "How do I reset my PIN?"}, {"role": "assistant", "content": "Hi!"}
+    q0, a0 = {"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hi, how can I help?"}
+    pairs = [
+        ([g, q], [q, g]),
+        ([q0, a0, q], [q0, q, a0]),
+        ([q], [{"role": "system", "content": q["content"]}]),
+    ]
+    for one, other in pairs:
+        a, b = _req(messages=one), _req(messages=other)
+        assert a.text() == b.text()
+        assert _scope(a) != _scope(b), (one, other)
+        assert cache_key(a.text(), _scope(a)) != cache_key(b.text(), _scope(b))
+
+
 @pytest.mark.parametrize(
     "name",
     [
