@@ -6,9 +6,15 @@ core handles them without importing a backend) and are re-exported here with the
 
 from __future__ import annotations
 
-from pipeline.exceptions import ModelError, TransientModelError
+from pipeline.exceptions import ModelError, PartialBatchError, TransientModelError
 
-__all__ = ["ModelError", "ModelLoadError", "ModelOutOfMemoryError", "TransientModelError"]
+__all__ = [
+    "ModelError",
+    "ModelLoadError",
+    "ModelOutOfMemoryError",
+    "PartialBatchError",
+    "TransientModelError",
+]
 
 
 class ModelOutOfMemoryError(ModelError):

@@ -15,8 +15,10 @@ Errors and retries:
 * other 4xx (bad request, auth, unknown model, context too long) are permanent :class:`ModelError`
   (:class:`RemoteStatusError`, with ``status_code``), never retried here; the caller splits the batch
   to find the item that fails.
-* the first item that fails fails the whole batch (as the interface asks); requests of the batch
-  not yet started are cancelled.
+* each request of a batch is a call of its own, so only the requests that failed fail: when some
+  failed (after their retries) and others were answered, :class:`PartialBatchError` carries each
+  item's output or error, and the batch-mates of a request that timed out keep their answers. When
+  every request failed, the first error is raised (the caller's batch retries and splitting).
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ import concurrent.futures as cf
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
 from models.base import ModelBackend, ModelInput, ModelOutput
-from models.exceptions import ModelError, ModelLoadError, TransientModelError
+from models.exceptions import ModelError, ModelLoadError, PartialBatchError, TransientModelError
 
 
 class RemoteStatusError(ModelError):
@@ -158,13 +160,29 @@ class RemoteOpenAIModel(ModelBackend):
             raise ModelError(f"remote model {self.name!r} is not loaded: call load() before infer()")
         futures = [pool.submit(self._call_with_retries, inp, i, len(batch)) for i, inp in enumerate(batch)]
         try:
-            for fut in cf.as_completed(futures):
-                fut.result()
+            cf.wait(futures)
         except BaseException:
             for fut in futures:
                 fut.cancel()
             raise
-        return [fut.result() for fut in futures]
+        results: list[object] = []
+        errors: list[BaseException] = []
+        for fut in futures:
+            exc = fut.exception()
+            if exc is None:
+                results.append(fut.result())
+                continue
+            if not isinstance(exc, Exception):
+                raise exc
+            errors.append(exc)
+            results.append(exc if isinstance(exc, ModelError) else ModelError(f"{type(exc).__name__}: {exc}"))
+        if not errors:
+            return cast("list[ModelOutput]", results)
+        if len(errors) == len(batch):
+            raise errors[0]  # the batch-level retries and splitting take over
+        # each request is a call of its own: only those that failed fail (docs/architecture.md,
+        # "The path of a request"), not a batch-mate whose request went through
+        raise PartialBatchError(results)
 
     def _call_with_retries(self, inp: ModelInput, index: int, n: int) -> ModelOutput:
         retrying = Retrying(

@@ -109,3 +109,16 @@ class ModelError(SurgeError):
 
 class TransientModelError(ModelError):
     """A failure worth retrying with backoff (timeouts, 5xx from a remote endpoint, busy device)."""
+
+
+class PartialBatchError(ModelError):
+    """Some items of a batch failed on their own calls (after their retries) while the others were
+    answered; ``results`` holds, per item in order, its output or its :class:`ModelError`. A backend
+    whose items are separate calls (a remote endpoint) raises it, so that one request timing out
+    fails alone instead of failing every batch-mate (docs/architecture.md, "The path of a request")."""
+
+    def __init__(self, results: list[object]) -> None:
+        failed = sum(1 for r in results if isinstance(r, ModelError))
+        super().__init__(f"{failed} of {len(results)} items of the batch failed")
+        self.results = results
+        self.failed = failed

@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from tenacity import (
     RetryCallState,
@@ -28,7 +28,7 @@ from tenacity import (
 )
 from tenacity.wait import wait_base
 
-from pipeline.exceptions import ModelError, SettingsError, TransientModelError
+from pipeline.exceptions import ModelError, PartialBatchError, SettingsError, TransientModelError
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -141,6 +141,8 @@ def run_isolated(
     between retries (inject a recorder in tests); ``on_call(size)`` is called before every model call,
     retries included, so the caller can count calls.
 
+    - :class:`PartialBatchError` (a backend whose items are separate calls, after their own
+      retries): the items it says failed get their errors, the others their outputs; no retry.
     - :class:`TransientModelError`: retried up to ``policy.attempts`` times with exponential backoff;
       when they run out, every item of that (sub-)batch gets a ``ModelError`` that says so (the batch
       is not split: more, smaller calls would not help a model that is timing out).
@@ -153,6 +155,12 @@ def run_isolated(
     try:
         outputs: list[R] = _call_with_retries(batch, infer, policy, sleep, on_call)
         return [*outputs]
+    except PartialBatchError as exc:  # the backend knows which items failed: only they fail
+        if len(exc.results) != len(batch):
+            err = ModelError(f"model gave {len(exc.results)} results for a batch of {len(batch)}")
+            err.__cause__ = exc
+            return [err] * len(batch)
+        return cast("list[R | ModelError]", list(exc.results))
     except TransientModelError as exc:
         err = ModelError(f"model call failed after {policy.attempts} attempts: {exc}")
         err.__cause__ = exc

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.exceptions import ModelError, ModelOutOfMemoryError, TransientModelError
+from models.exceptions import ModelError, ModelOutOfMemoryError, PartialBatchError, TransientModelError
 from pipeline.exceptions import SettingsError
 from pipeline.isolation import RetryPolicy, run_isolated
 
@@ -96,6 +96,23 @@ def test_retries_exhausted_gives_every_item_model_error() -> None:
     assert out[0].code == "model_error"
     assert rec.calls == [8, 8, 8, 8]  # not split: smaller calls would not help
     assert rec.sleeps == pytest.approx([0.1, 0.2, 0.25])  # capped at max_backoff_ms
+
+
+def test_a_backend_that_knows_which_items_failed_fails_only_those() -> None:
+    """A remote endpoint's items are calls of their own: one that timed out (after its own retries)
+    fails alone, and its batch-mates keep the answers they got, in one call, with no batch retry."""
+    slow = ModelError("request 2 of 4 timed out after 3 attempts")
+
+    def per_item(batch: Sequence[str]) -> list[str]:
+        raise PartialBatchError([s.upper() if s != "slow" else slow for s in batch])
+
+    rec = Recorder()
+    out = run_isolated(["a", "b", "slow", "c"], per_item, POLICY, sleep=rec.sleep, on_call=rec.on_call)
+    assert out == ["A", "B", slow, "C"]
+    assert rec.calls == [4] and rec.sleeps == []
+    # results that do not match the batch fail it whole, as a wrong output count does
+    wrong = run_isolated(["a", "b"], lambda b: (_ for _ in ()).throw(PartialBatchError(["A"])), POLICY)
+    assert all(isinstance(o, ModelError) for o in wrong) and "1 results for a batch of 2" in str(wrong[0])
 
 
 def test_jitter_stays_within_bounds() -> None:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from models.exceptions import ModelError, ModelLoadError, TransientModelError
+from models.base import ModelOutput
+from models.exceptions import ModelError, ModelLoadError, PartialBatchError, TransientModelError
 from models.hf_causal import HFCausalLM
 from models.remote import RemoteOpenAIModel, RemoteStatusError, RemoteTransientError
 from tests.model_helpers import ask, one_torch_thread  # noqa: F401 - an autouse fixture
@@ -150,6 +151,31 @@ def test_5xx_is_transient_and_retried(server: str) -> None:
     assert stats(server)["requests"] == 3  # first try and two retries
 
 
+def test_a_request_that_fails_alone_leaves_its_batch_mates_their_answers(server: str) -> None:
+    """Each request of a batch is a call of its own: the one the endpoint refuses with 503 (after
+    its retries) gets the error, the two beside it their answers. The first failure once failed the
+    whole batch, so one prompt that timed out failed every other tenant's request beside it."""
+    model = remote(server, max_retries=1, backoff_initial_s=0.01, backoff_max_s=0.05)
+    try:
+        with pytest.raises(PartialBatchError) as info:
+            model.infer(
+                [
+                    ask("hello", max_tokens=2),
+                    ask("[[status=503]] busy", max_tokens=1),
+                    ask("hi", max_tokens=2),
+                ]
+            )
+        results = info.value.results
+        assert info.value.failed == 1 and len(results) == 3
+        assert isinstance(results[1], RemoteTransientError) and results[1].status_code == 503
+        assert all(isinstance(r, ModelOutput) and r.answer for r in (results[0], results[2]))
+        # every request failing: the batch raises the error itself, for the caller's batch retries
+        with pytest.raises(RemoteTransientError):
+            model.infer([ask("[[status=503]] a", max_tokens=1), ask("[[status=503]] b", max_tokens=1)])
+    finally:
+        model.close()
+
+
 def test_429_is_transient_and_carries_retry_after(server: str) -> None:
     model = remote(server, max_retries=0)
     try:
@@ -165,13 +191,14 @@ def test_4xx_is_a_permanent_model_error_not_retried(server: str) -> None:
     stats(server, reset=True)
     model = remote(server, max_retries=3)
     try:
-        with pytest.raises(ModelError) as info:
+        with pytest.raises(PartialBatchError) as info:
             model.infer([ask("fine", max_tokens=1), ask("[[status=400]] broken", max_tokens=1)])
     finally:
         model.close()
-    assert not isinstance(info.value, TransientModelError)
-    assert isinstance(info.value, RemoteStatusError) and info.value.status_code == 400
-    assert "item 1 of a batch of 2" in str(info.value)
+    failed = info.value.results[1]
+    assert isinstance(info.value.results[0], ModelOutput) and not isinstance(failed, TransientModelError)
+    assert isinstance(failed, RemoteStatusError) and failed.status_code == 400
+    assert "item 1 of a batch of 2" in str(failed)
     assert stats(server)["requests"] <= 2  # no retry of the 400
 
 
