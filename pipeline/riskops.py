@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pipeline.risk.rules import Rule
     from pipeline.risk.simulate import SimConfig
     from pipeline.settings import Settings
 
@@ -221,11 +222,35 @@ def plot_periods(res: dict[str, Any], path: Path) -> None:
         ax.legend(loc="lower right", fontsize=8)
 
 
+def read_rules_file(path: str | Path) -> list[Rule]:
+    """The rules of a rules file (a JSON list of rules), every one validated; raises
+    :class:`~pipeline.risk.rules.RulesFileError` (the CLI exits 2 with its message) for a file that
+    cannot be read, is not a JSON list, or holds a bad rule."""
+    from pipeline.risk.rules import RulesFileError, rules_from_json
+
+    try:
+        text = Path(path).read_bytes()
+    except OSError as exc:
+        raise RulesFileError(str(path), f"cannot be read: {exc.strerror or exc}") from exc
+    return rules_from_json(text, str(path))
+
+
 def cmd_rules(args: argparse.Namespace) -> int:
     from pipeline.cli import _settings
     from pipeline.kafka_security import client_options
-    from pipeline.risk.rules import DEFAULT_RULES, Rule, RuleBook
+    from pipeline.risk.rules import DEFAULT_RULES, RuleBook
     from pipeline.topics import TopicNames
+
+    rules: list[Rule] = []
+    if args.action == "publish":
+        # the whole file read and validated before settings or a broker: a bad file publishes nothing
+        if args.defaults:
+            rules = list(DEFAULT_RULES)
+        elif args.file:
+            rules = read_rules_file(args.file)
+        else:
+            print("surge risk rules publish: give --defaults or --file", file=sys.stderr)
+            return 2
 
     s = _settings()
     topic = TopicNames(s.topic_prefix).risk_rules
@@ -246,13 +271,6 @@ def cmd_rules(args: argparse.Namespace) -> int:
         return book
 
     if args.action == "publish":
-        if args.defaults:
-            rules = list(DEFAULT_RULES)
-        elif args.file:
-            rules = [Rule.model_validate(r) for r in json.loads(Path(args.file).read_text())]
-        else:
-            print("surge risk rules publish: give --defaults or --file", file=sys.stderr)
-            return 2
         asyncio.run(publish(rules))
         print(f"published {len(rules)} rules to {topic}")
         return 0

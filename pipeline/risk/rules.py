@@ -9,7 +9,9 @@ A rule is a JSON record on the compacted topic ``surge.risk.rules``, keyed by it
 ``when`` holds conditions that must all hold; each names a feature (:data:`ALL_FEATURES`) or an event
 field (``event.amount``, ``event.type``, ``event.country``, ...), an operator (``>`` ``>=`` ``<``
 ``<=`` ``==`` ``!=`` ``in`` ``not_in``) and a value. A condition on a feature the event lacks (None)
-does not hold. A record with a null value (a tombstone) removes the rule.
+does not hold. A record with a null value (a tombstone) removes the rule. Every number in a rule (its
+points, a condition's value, the members of an ``in`` list) must be finite: JSON has no infinity or
+NaN, so such a rule would be written with ``null`` in their place and every worker would reject it.
 
 The rule set's version (:func:`ruleset_version`) is derived from its content, so every worker that has
 read the same records names the same version. :class:`RuleBook` keeps the current set and the last
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -59,10 +62,42 @@ class RuleError(SurgeError):
         self.detail = detail
 
 
+class RulesFileError(SurgeError):
+    """A rules file (``surge risk rules publish --file``) that cannot be read, is not a JSON list of
+    rules, or holds a rule that fails validation; names the file and, for a bad rule, its position and
+    id. Nothing of such a file is published."""
+
+    code = "invalid_request"
+
+    def __init__(self, source: str, detail: str) -> None:
+        super().__init__(f"rules file {source!r}: {detail}")
+        self.source = source
+        self.detail = detail
+
+
+def _non_finite(value: Any) -> float | None:
+    """The first number in ``value`` (a number, or a list of them at any depth) that is not finite."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return value
+    if isinstance(value, list | tuple):
+        for v in value:
+            if (bad := _non_finite(v)) is not None:
+                return bad
+    return None
+
+
+def describe_validation_error(exc: ValidationError, limit: int = 5) -> str:
+    """``field: message`` for the first ``limit`` errors of ``exc``, joined by ``; ``."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or 'record'}: {e['msg']}" for e in exc.errors()[:limit]
+    )
+
+
 class Rule(BaseModel):
     """One rule (the value of a record on ``surge.risk.rules``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: a number that is not finite has no JSON form (it is written as null)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     rule_id: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_.-]{0,63}$")]
     version: Annotated[int, Field(ge=1, strict=True)]
@@ -76,9 +111,14 @@ class Rule(BaseModel):
     @field_validator("when")
     @classmethod
     def _known(cls, v: list[tuple[str, str, Any]]) -> list[tuple[str, str, Any]]:
-        for name, op, value in v:
+        for i, (name, op, value) in enumerate(v):
             if name not in _KNOWN:
                 raise ValueError(f"unknown feature or event field {name!r}")
+            # ``value`` is Any, so allow_inf_nan does not reach it: checked here, lists included
+            if (bad := _non_finite(value)) is not None:
+                raise ValueError(
+                    f"condition {i} ({name} {op}): the value must be a finite number, got {bad!r}"
+                )
             if op in ("in", "not_in"):
                 if not isinstance(value, list) or not value:
                     raise ValueError(f"{name} {op}: the value must be a non-empty list, got {value!r}")
@@ -170,13 +210,50 @@ def parse_rule(key: bytes | str | None, value: bytes | None) -> Rule | None:
     try:
         rule = Rule.model_validate_json(value)
     except ValidationError as exc:
-        detail = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'record'}: {e['msg']}" for e in exc.errors()[:5]
-        )
-        raise RuleError(rid, detail) from exc
+        raise RuleError(rid, describe_validation_error(exc)) from exc
     if rid is not None and rid != rule.rule_id:
         raise RuleError(rid, f"the record key {rid!r} differs from rule_id {rule.rule_id!r}")
     return rule
+
+
+def _json_kind(doc: Any) -> str:
+    if doc is None:
+        return "null"
+    kinds = ((bool, "a boolean"), (dict, "an object"), (str, "a string"), (int | float, "a number"))
+    return next((k for t, k in kinds if isinstance(doc, t)), type(doc).__name__)
+
+
+def rules_from_json(text: str | bytes, source: str = "<rules>") -> list[Rule]:
+    """The rules of a rules file's content: a JSON list of rule objects, each validated as a worker
+    would read it once published (its record, serialised, parsed back with :func:`parse_rule`). Raises
+    :class:`RulesFileError` for the first problem: not JSON, not a list, a rule that fails validation
+    (by position and id), two rules with one id. Nothing is returned unless the whole file is good."""
+    try:
+        doc = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RulesFileError(source, f"not valid JSON: {exc}") from exc
+    if not isinstance(doc, list):
+        raise RulesFileError(source, f"expected a JSON list of rules, got {_json_kind(doc)}")
+    rules: list[Rule] = []
+    seen: dict[str, int] = {}
+    for i, item in enumerate(doc):
+        rid = item.get("rule_id") if isinstance(item, dict) else None
+        where = f"rule {i}" + (f" ({rid!r})" if isinstance(rid, str) else "")
+        try:
+            rule = Rule.model_validate(item)
+            # what the workers will read: the record as published, parsed back
+            parse_rule(rule.rule_id, rule.model_dump_json().encode())
+        except ValidationError as exc:
+            raise RulesFileError(source, f"{where} rejected: {describe_validation_error(exc)}") from exc
+        except RuleError as exc:
+            raise RulesFileError(source, f"{where} rejected: {exc.detail}") from exc
+        if rule.rule_id in seen:
+            raise RulesFileError(
+                source, f"{where}: rule_id {rule.rule_id!r} is also rule {seen[rule.rule_id]}"
+            )
+        seen[rule.rule_id] = i
+        rules.append(rule)
+    return rules
 
 
 class RuleBook:
