@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -394,3 +395,57 @@ def test_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert "replay's own" in capsys.readouterr().err
     assert main(["replay", "--from", "yesterday"]) == 2
     assert main(["replay"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (None, "cannot be read"),
+        ('{"event_id": "a", "label": 1}\nnot json\n', "line 2: not JSON"),
+        ('{"event_id": "a", "label": 1}\n[1, 2]\n', "line 2: not a JSON object"),
+        ('{"event_id": "a", "label": "yes"}\n', "line 1: label 'yes' is not 0 or 1"),
+    ],
+)
+async def test_a_bad_labels_file_is_refused_before_the_replay_connects(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    content: str | None,
+    why: str,
+) -> None:
+    """``--labels`` is read before anything connects or is created: a missing file or a line that is
+    not a label is a typed error (exit status 2 with its message), not a traceback after the whole
+    replay with its topics left on the cluster."""
+    from pipeline.cli import main
+    from pipeline.replay.plan import ReplayLabelsError
+    from pipeline.replay.runner import ReplayOptions, run_replay
+
+    labels = tmp_path / "labels.jsonl"
+    if content is not None:
+        labels.write_text(content, encoding="utf-8")
+    # nothing listens here: a replay that got as far as connecting would fail with another error
+    nowhere = Settings.load(broker="kafka://127.0.0.1:1")
+    opts = ReplayOptions(
+        topic="risk-events",
+        from_ms=NOW - 60_000,
+        to_ms=NOW,
+        labels_path=labels,
+        out_dir=tmp_path / "out",
+        quiet=True,
+    )
+    with pytest.raises(ReplayLabelsError, match=why) as err:
+        await run_replay(opts, nowhere)
+    assert isinstance(err.value, ReplayError) and err.value.path == str(labels)
+    assert not (tmp_path / "out").exists()  # nothing made, not even the output folder
+    monkeypatch.setenv("SURGE_BROKER", "kafka://127.0.0.1:1")
+    argv = ["replay", "--topic", "risk-events", "--from=-1m", "--labels", str(labels), "--quiet"]
+    assert await asyncio.to_thread(main, [*argv, "--out", str(tmp_path / "cli")]) == 2  # its own loop
+    assert f"ReplayLabelsError: --labels {labels}" in capsys.readouterr().err
+    assert not (tmp_path / "cli").exists()
+    # what ``surge risk simulate`` writes loads: its ``sim_config`` line is skipped
+    from pipeline.replay.runner import load_labels
+    from pipeline.risk.simulate import SimConfig, write_jsonl
+
+    sim = tmp_path / "sim.jsonl"
+    write_jsonl(sim, [{"event_id": "e1", "label": 0}, {"event_id": "e2", "label": 1}], SimConfig())
+    assert load_labels(sim) == {"e1": 0, "e2": 1}

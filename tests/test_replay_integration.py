@@ -110,16 +110,20 @@ async def test_replay_finds_its_range_leaves_live_state_alone_and_repeats_itself
     before = await _live_state(d)
 
     results = []
+    out = tmp_path / "replay"
     for n in (1, 2):
+        # both into one --out folder: the second worker must not take the tables the first left
+        # there for its own (their changelogs are gone; Faust would refuse to start on them)
         opts = ReplayOptions(
             topic="requests",
             from_ms=from_ms,
             to_ms=to_ms,
-            out_dir=tmp_path / f"replay{n}",
+            out_dir=out,
             replay_id=f"t{n}",
             quiet=True,
         )
         results.append(await run_replay(opts, d.settings))
+        assert any((out / "state").rglob("*.db")), "the replay worker kept its tables in its folder"
     first, second = results
 
     # the range by timestamp: exactly the requests sent inside it
@@ -152,6 +156,34 @@ async def test_replay_finds_its_range_leaves_live_state_alone_and_repeats_itself
     assert set(changelog_topics(d.settings)) <= set(before["ends"])
     topics = await _topics(d.bootstrap)
     assert not any(first.names.owns(t) or second.names.owns(t) for t in topics), "replay topics are deleted"
+
+
+async def test_replay_copies_only_committed_rules(deployment) -> None:
+    """The live rules are read as the risk workers read them (``read_committed``): a rule written in
+    a transaction that was aborted was never applied live, and the replay does not copy it."""
+    from agents.risk import ensure_risk_topics
+    from pipeline.replay.runner import read_live_rules
+
+    d = deployment()
+    await ensure_risk_topics(d.settings)
+    topic = d.topics.risk_rules
+    plain = AIOKafkaProducer(bootstrap_servers=d.bootstrap, acks="all")
+    tx = AIOKafkaProducer(bootstrap_servers=d.bootstrap, transactional_id=f"{d.settings.app_id}-abort")
+    await plain.start()
+    await tx.start()
+    try:
+        await plain.send_and_wait(topic, b'{"rule": "before"}', key=b"before", partition=0)
+        await tx.begin_transaction()
+        await tx.send_and_wait(topic, b'{"rule": "aborted"}', key=b"aborted", partition=0)
+        await tx.abort_transaction()
+        # the abort marker last on the partition: read to its end, without the aborted rule
+        rules = await asyncio.wait_for(read_live_rules(d.settings, topic), 30)
+        assert [k for k, _ in rules] == [b"before"]
+        await plain.send_and_wait(topic, b'{"rule": "after"}', key=b"after", partition=0)
+    finally:
+        await tx.stop()
+        await plain.stop()
+    assert [k for k, _ in await read_live_rules(d.settings, topic)] == [b"before", b"after"]
 
 
 async def test_report_on_a_recorded_history_with_known_differences(deployment, tmp_path: Path) -> None:

@@ -67,6 +67,20 @@ class ReplayError(SurgeError):
     """A replay or shadow that cannot run as asked."""
 
 
+class ReplayLabelsError(ReplayError):
+    """A ``--labels`` file that cannot be read, or a line of it that is not a label (checked before
+    the replay creates anything)."""
+
+    def __init__(self, path: str, reason: str, line: int | None = None) -> None:
+        where = f"{path}, line {line}" if line is not None else path
+        super().__init__(
+            f"--labels {where}: {reason} (JSON lines with event_id and a label 0 or 1, as `surge risk "
+            "simulate` writes them)"
+        )
+        self.path = path
+        self.line = line
+
+
 class ReplayTimeError(ReplayError):
     """A ``--from``/``--to`` that is not a time."""
 

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -45,8 +46,16 @@ from pipeline.devtools.procs import WorkerProcess
 from pipeline.kafka_security import client_options
 from pipeline.records import now_ms
 from pipeline.replay import compare, plan
-from pipeline.replay.plan import Copy, PartitionRange, ReplayError, ReplayNames, Throttle
+from pipeline.replay.plan import (
+    Copy,
+    PartitionRange,
+    ReplayError,
+    ReplayLabelsError,
+    ReplayNames,
+    Throttle,
+)
 from pipeline.replyto import ReplyToPolicy
+from pipeline.risk_client import read_rule_records
 from pipeline.settings import Settings
 from pipeline.topics import TopicNames
 
@@ -84,12 +93,12 @@ class CandidateOptions:
     def worker_env(
         self, s: Settings, names: ReplayNames, out_dir: Path, *, partitions: int, role: str
     ) -> dict[str, str]:
-        """The candidate worker's environment: its own names, state folder under ``out_dir`` and web
-        port, the live settings ``s``, this model, cache mode and ``--set`` settings."""
+        """The candidate worker's environment: its own names, state folder (:func:`state_dir`) and
+        web port, the live settings ``s``, this model, cache mode and ``--set`` settings."""
         env = plan.worker_env(
             names,
             broker=s.broker,
-            data_dir=str((out_dir / "state").absolute()),
+            data_dir=str(state_dir(out_dir).absolute()),
             partitions=partitions,
             role=role,
             model=self.model,
@@ -122,6 +131,20 @@ class ReplayResult:
     names: ReplayNames
     #: the replay's replies (or decisions) by key, as dicts
     replies: dict[Any, dict[str, Any]]
+
+
+def state_dir(out_dir: Path) -> Path:
+    """The candidate worker's state folder (its RocksDB tables) under ``out_dir``."""
+    return out_dir / "state"
+
+
+def clear_state(out_dir: Path) -> None:
+    """Remove the state folder under ``out_dir`` before a candidate worker starts on it. Table stores
+    are named by table, not by app id, so what an earlier replay or shadow left there (one that ran
+    to the end and deleted its changelogs, or one interrupted) would be taken for this worker's
+    tables, with offsets its new changelogs never reach: the worker would refuse to start. A fresh
+    worker restores its tables from its own changelogs (docs/architecture.md, "Replay")."""
+    shutil.rmtree(state_dir(out_dir), ignore_errors=True)
 
 
 def groupless_consumer(s: Settings, **kw: Any) -> AIOKafkaConsumer:
@@ -312,19 +335,45 @@ def event_key(decision: dict[str, Any]) -> str:
 
 
 def load_labels(path: Path | None) -> dict[str, int]:
-    """``event_id → label`` from a JSON-lines file written by ``surge risk simulate``."""
+    """``event_id → label`` from a JSON-lines file written by ``surge risk simulate`` (objects without
+    an ``event_id`` and a ``label``, such as its ``sim_config`` line, are skipped).
+
+    Raises :class:`~pipeline.replay.plan.ReplayLabelsError` for a file that cannot be read, a line that
+    is not a JSON object, or a label other than 0 or 1.
+    """
     if path is None:
         return {}
     out: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            row = json.loads(line)
-            if isinstance(row, dict) and "event_id" in row and "label" in row:
-                out[str(row["event_id"])] = int(row["label"])
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, start=1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    raise ReplayLabelsError(str(path), f"not JSON ({e})", n) from e
+                if not isinstance(row, dict):
+                    raise ReplayLabelsError(str(path), "not a JSON object", n)
+                if "event_id" not in row or "label" not in row:
+                    continue
+                label = row["label"]
+                if label not in (0, 1):
+                    raise ReplayLabelsError(str(path), f"label {label!r} is not 0 or 1", n)
+                out[str(row["event_id"])] = int(label)
+    except OSError as e:
+        raise ReplayLabelsError(str(path), f"cannot be read ({e.strerror or e})") from e
+    except UnicodeDecodeError as e:
+        raise ReplayLabelsError(str(path), "not UTF-8 text") from e
     return out
+
+
+async def read_live_rules(s: Settings, topic: str) -> list[tuple[bytes | None, bytes | None]]:
+    """The committed records of the live rules ``topic`` as ``(key, value)``, read as the risk workers
+    read it (``read_committed``: a rule of an aborted or open transaction is never applied live, so
+    it is not copied either); none if the topic does not exist."""
+    return await read_rule_records(s.bootstrap_servers, topic, client_options(s), tries=5)
 
 
 async def _copy(
@@ -381,6 +430,7 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
     plan.check_range(opts.from_ms, opts.to_ms)
     if opts.topic not in plan.SOURCES:
         raise ReplayError(f"--topic {opts.topic!r}: one of {', '.join(plan.SOURCES)}")
+    labels = load_labels(opts.labels_path)  # a bad file is refused before anything connects
     risk = opts.topic == "risk-events"
     rid = opts.replay_id or plan.new_replay_id(now_ms(), secrets.token_hex(3))
     names = ReplayNames(s.app_id, s.topic_prefix, rid)
@@ -401,18 +451,9 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
         if risk and opts.warmup:
             _, warm_ranges = await locate(consumer, source, opts.from_ms - plan.RISK_WARMUP_MS, opts.from_ms)
             warm = await read_ranges(consumer, source, warm_ranges)
-        rules: list[Any] = []
-        if risk:
-            rparts = await partitions_of(consumer, live_t.risk_rules, tries=5)
-            if rparts:
-                ends = await consumer.end_offsets([TopicPartition(live_t.risk_rules, p) for p in rparts])
-                rules = await read_ranges(
-                    consumer,
-                    live_t.risk_rules,
-                    [PartitionRange(tp.partition, 0, e) for tp, e in ends.items()],
-                )
     finally:
         await consumer.stop()
+    rules = await read_live_rules(s, live_t.risk_rules) if risk else []
     if not records:
         raise ReplayError(
             f"no records on {source!r} between {opts.from_ms} and {opts.to_ms} ms "
@@ -449,126 +490,131 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
     changed = opts.changed(s)
     keep_forever = {"retention.ms": "-1"}
     own = {target: keep_forever}
-    await create_own_topics(s, names, own, len(parts))
-    from pipeline.admin import ensure_topics
-
-    if risk:
-        from agents.risk import ensure_risk_topics
-
-        await ensure_risk_topics(replay_settings)
-    else:
-        await ensure_topics(replay_settings, broker_time=False)  # the copies keep their timestamps
-
-    out_topic = own_t.risk_decisions if risk else own_t.replies
-    collector = Collector(s, out_topic, event_key if risk else request_key)
-    worker: WorkerProcess | None = None
-    producer = AIOKafkaProducer(
-        bootstrap_servers=s.bootstrap_servers,
-        acks="all",
-        linger_ms=5,
-        max_request_size=8 << 20,
-        **client_options(s),
-    )
-    track_sent_topics(producer)
-    sent_at: dict[Any, float] = {}
-    t0 = time.monotonic()
+    deleted: list[str] | None = None  # the replay's topics, once deleted at the end
     try:
-        await producer.start()
-        if rules:
-            if not names.owns(own_t.risk_rules):
-                raise ReplayError(f"refusing to write {own_t.risk_rules!r}")
-            for r in rules:
-                await producer.send_and_wait(own_t.risk_rules, value=r.value, key=r.key)
-        await collector.start()
-        say(f"starting the replay worker (app id {names.app_id}, prefix {names.prefix}) ...")
-        worker = start_worker(env, out_dir / "worker.log", role, s.replay_nice)
-        await asyncio.to_thread(worker.wait_ready, READY[role], opts.start_timeout_s)
-        ready_s = time.monotonic() - t0
-        bar = None if opts.quiet else tqdm(total=len(copies) + len(warm_copies), desc="copied", unit="rec")
-        throttle = Throttle(rate, time.monotonic)
-        t_copy = time.monotonic()
-        await _copy(producer, names, target, warm_copies, throttle, {}, bar)
-        await _copy(producer, names, target, copies, throttle, sent_at, bar)
-        if bar is not None:
-            bar.close()
-        want = set(expected)
-        rbar = None if opts.quiet else tqdm(total=len(want), desc="replies", unit="rec")
-        await collector.wait_for(want, s.replay_idle_timeout_s, rbar)
-        if rbar is not None:
-            rbar.close()
-        t_done = max([collector.arrived[k] for k in want if k in collector.arrived], default=time.monotonic())
-    except BaseException:
-        if not opts.keep_topics:  # a replay that failed leaves nothing behind on the cluster either
-            with contextlib.suppress(Exception):
-                await _stop_then_delete(collector, producer, worker, s, names)
-        raise
-    finally:
-        await collector.stop()
-        await producer.stop()
-        if worker is not None:
-            worker.stop()
-    replies = {k: v for k, v in collector.records.items() if k in set(expected)}
-    latency = {k: (collector.arrived[k] - sent_at[k]) * 1000 for k in replies if k in sent_at}
+        await create_own_topics(s, names, own, len(parts))
+        from pipeline.admin import ensure_topics
 
-    # what live traffic got, read without a group
-    if risk:
-        live_out = await read_since(s, [live_t.risk_decisions], opts.from_ms)
-    else:
-        live_out = await read_since(s, live_reply_topics or {live_t.replies}, opts.from_ms)
-    live: dict[Any, dict[str, Any]] = {}
-    want = set(expected)
-    for rec in live_out:
-        try:
-            data = json.loads(rec.value)
-            key = event_key(data) if risk else request_key(data)
-        except (ValueError, KeyError, TypeError):
-            continue
-        if key in want and key not in live:
-            live[key] = data
-    if risk:
-        report = compare.compare_risk(
-            expected,
-            live,
-            replies,
-            replay_latency_ms=latency,
-            labels=load_labels(opts.labels_path),
-            changed=changed,
+        if risk:
+            from agents.risk import ensure_risk_topics
+
+            await ensure_risk_topics(replay_settings)
+        else:
+            await ensure_topics(replay_settings, broker_time=False)  # the copies keep their timestamps
+
+        out_topic = own_t.risk_decisions if risk else own_t.replies
+        collector = Collector(s, out_topic, event_key if risk else request_key)
+        worker: WorkerProcess | None = None
+        producer = AIOKafkaProducer(
+            bootstrap_servers=s.bootstrap_servers,
+            acks="all",
+            linger_ms=5,
+            max_request_size=8 << 20,
+            **client_options(s),
         )
-    else:
-        report = compare.compare_requests(expected, live, replies, replay_latency_ms=latency, changed=changed)
+        track_sent_topics(producer)
+        sent_at: dict[Any, float] = {}
+        t0 = time.monotonic()
+        try:
+            await producer.start()
+            if rules:
+                if not names.owns(own_t.risk_rules):
+                    raise ReplayError(f"refusing to write {own_t.risk_rules!r}")
+                for rule_key, rule_value in rules:
+                    await producer.send_and_wait(own_t.risk_rules, value=rule_value, key=rule_key)
+            await collector.start()
+            say(f"starting the replay worker (app id {names.app_id}, prefix {names.prefix}) ...")
+            await asyncio.to_thread(clear_state, out_dir)
+            worker = start_worker(env, out_dir / "worker.log", role, s.replay_nice)
+            await asyncio.to_thread(worker.wait_ready, READY[role], opts.start_timeout_s)
+            ready_s = time.monotonic() - t0
+            bar = (
+                None if opts.quiet else tqdm(total=len(copies) + len(warm_copies), desc="copied", unit="rec")
+            )
+            throttle = Throttle(rate, time.monotonic)
+            t_copy = time.monotonic()
+            await _copy(producer, names, target, warm_copies, throttle, {}, bar)
+            await _copy(producer, names, target, copies, throttle, sent_at, bar)
+            if bar is not None:
+                bar.close()
+            want = set(expected)
+            rbar = None if opts.quiet else tqdm(total=len(want), desc="replies", unit="rec")
+            await collector.wait_for(want, s.replay_idle_timeout_s, rbar)
+            if rbar is not None:
+                rbar.close()
+            t_done = max(
+                [collector.arrived[k] for k in want if k in collector.arrived], default=time.monotonic()
+            )
+        finally:
+            await collector.stop()
+            await producer.stop()
+            if worker is not None:
+                await asyncio.to_thread(worker.stop)
+        replies = {k: v for k, v in collector.records.items() if k in set(expected)}
+        latency = {k: (collector.arrived[k] - sent_at[k]) * 1000 for k in replies if k in sent_at}
 
-    span_s = (opts.to_ms - opts.from_ms) / 1000
-    stamps = [r.timestamp for r in records]
-    processing_s = max(1e-3, t_done - t_copy)
-    report["replay"] = {
-        "id": rid,
-        "app_id": names.app_id,
-        "topic_prefix": names.prefix,
-        "source_topic": source,
-        "from_ms": opts.from_ms,
-        "to_ms": opts.to_ms,
-        "records": len(records),
-        "warmup_records": len(warm),
-        "partitions": len(parts),
-        "model": replay_settings.served_model,
-        "sets": opts.sets,
-        "caches": opts.caches,
-        "defaults": {
-            k: v
-            for k, v in {**plan.REPLAY_DEFAULTS, **plan.CACHE_MODES[opts.caches]}.items()
-            if k not in opts.sets
-        },
-        "rate_limit_per_s": rate,
-        "worker_start_s": round(ready_s, 2),
-        "processing_s": round(processing_s, 3),
-        "range_s": span_s,
-        "recorded_span_s": round((max(stamps) - min(stamps)) / 1000, 3),
-        "speed_factor": round(span_s / processing_s, 2),
-        "speed_factor_with_start": round(span_s / (t_done - t0), 2),
-        "live_reply_topics": sorted(live_reply_topics) if not risk else [live_t.risk_decisions],
-    }
-    if not opts.keep_topics:
-        report["replay"]["deleted_topics"] = await delete_own_topics(s, names)
+        # what live traffic got, read without a group
+        if risk:
+            live_out = await read_since(s, [live_t.risk_decisions], opts.from_ms)
+        else:
+            live_out = await read_since(s, live_reply_topics or {live_t.replies}, opts.from_ms)
+        live: dict[Any, dict[str, Any]] = {}
+        want = set(expected)
+        for rec in live_out:
+            try:
+                data = json.loads(rec.value)
+                key = event_key(data) if risk else request_key(data)
+            except (ValueError, KeyError, TypeError):
+                continue
+            if key in want and key not in live:
+                live[key] = data
+        if risk:
+            report = compare.compare_risk(
+                expected, live, replies, replay_latency_ms=latency, labels=labels, changed=changed
+            )
+        else:
+            report = compare.compare_requests(
+                expected, live, replies, replay_latency_ms=latency, changed=changed
+            )
+
+        span_s = (opts.to_ms - opts.from_ms) / 1000
+        stamps = [r.timestamp for r in records]
+        processing_s = max(1e-3, t_done - t_copy)
+        report["replay"] = {
+            "id": rid,
+            "app_id": names.app_id,
+            "topic_prefix": names.prefix,
+            "source_topic": source,
+            "from_ms": opts.from_ms,
+            "to_ms": opts.to_ms,
+            "records": len(records),
+            "warmup_records": len(warm),
+            "partitions": len(parts),
+            "model": replay_settings.served_model,
+            "sets": opts.sets,
+            "caches": opts.caches,
+            "defaults": {
+                k: v
+                for k, v in {**plan.REPLAY_DEFAULTS, **plan.CACHE_MODES[opts.caches]}.items()
+                if k not in opts.sets
+            },
+            "rate_limit_per_s": rate,
+            "worker_start_s": round(ready_s, 2),
+            "processing_s": round(processing_s, 3),
+            "range_s": span_s,
+            "recorded_span_s": round((max(stamps) - min(stamps)) / 1000, 3),
+            "speed_factor": round(span_s / processing_s, 2),
+            "speed_factor_with_start": round(span_s / (t_done - t0), 2),
+            "live_reply_topics": sorted(live_reply_topics) if not risk else [live_t.risk_decisions],
+        }
+        if not opts.keep_topics:
+            deleted = await delete_own_topics(s, names)
+            report["replay"]["deleted_topics"] = deleted
+    finally:
+        if deleted is None and not opts.keep_topics:
+            # a replay that failed at any step leaves nothing behind on the cluster either
+            with contextlib.suppress(Exception):
+                await delete_own_topics(s, names)
     report_path = out_dir / "report.json"
     report_path.write_text(json.dumps(compare.public(report), indent=2, default=str) + "\n", encoding="utf-8")
     from pipeline.replay.plot import plot_report
@@ -584,20 +630,6 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
         )
         print(f"report: {report_path}  plot: {plot_path}")
     return ReplayResult(report, report_path, plot_path, names, replies)
-
-
-async def _stop_then_delete(
-    collector: Collector,
-    producer: AIOKafkaProducer,
-    worker: WorkerProcess | None,
-    s: Settings,
-    names: ReplayNames,
-) -> None:
-    await collector.stop()
-    await producer.stop()
-    if worker is not None:
-        await asyncio.to_thread(worker.stop)
-    await delete_own_topics(s, names)
 
 
 def _event_id(raw: bytes | None) -> str | None:

@@ -44,6 +44,7 @@ from pipeline.replay.plan import ReplayError, ReplayNames, Throttle
 from pipeline.replay.runner import (
     CandidateOptions,
     Collector,
+    clear_state,
     delete_own_topics,
     groupless_consumer,
     request_key,
@@ -119,6 +120,7 @@ class Shadow:
         opts, s = self.opts, self.s
         await ensure_topics(self.candidate, broker_time=False)  # the copies keep their timestamps
         await self.collector.start()
+        await asyncio.to_thread(clear_state, self.out_dir)  # tables of an earlier run in this folder
         self.worker = start_worker(self.env, self.out_dir / "worker.log", "all", s.replay_nice)
         tasks: list[asyncio.Task[Any]] = []
         try:
