@@ -23,7 +23,7 @@ from pipeline.cache import AnswerCache
 from pipeline.compat import scan_partition
 from pipeline.exceptions import DeadlineExceededError, InvalidRequestError, RateLimitedError
 from pipeline.keys import cache_key, scope_of
-from pipeline.ratelimit import RateLimitConfig, RateLimiter, SweepSchedule, TierLimits
+from pipeline.ratelimit import RateLimitConfig, RateLimiter, SweepSchedule, TierLimits, charge_time_ms
 from pipeline.records import (
     InferenceReply,
     InferenceRequest,
@@ -34,7 +34,7 @@ from pipeline.records import (
     now_ms,
     salvage_ids,
 )
-from pipeline.scheduler import absolute_deadline_ms, client_dated, request_created_ms
+from pipeline.scheduler import CLOCK_SLACK_MS, absolute_deadline_ms, client_dated, request_created_ms
 from pipeline.settings import Settings
 
 log = logging.getLogger("surge.intake")
@@ -165,12 +165,12 @@ class Intake:
             err = DeadlineExceededError(int(deadline - created), int(now - deadline), req.priority)
             return await refuse(err.code, err.message)
         if s.rate_limit_enabled:
-            # charged at the request's own time (never later than now): a backlog that waited in
-            # Kafka through a stall or a restart is not a burst
+            # charged at the request's own time (never later than now, never much before its record
+            # reached the broker): a backlog that waited in Kafka through a stall or a restart is
+            # not a burst, and a client's dates cannot refill its bucket
+            charged = charge_time_ms(created, record_ms, now, CLOCK_SLACK_MS)
             try:
-                self.limiter.check(
-                    req.user_id, req.tier, req.tenant, min(created, now), shard=event.message.partition
-                )
+                self.limiter.check(req.user_id, req.tier, req.tenant, charged, shard=event.message.partition)
             except RateLimitedError as exc:
                 rt.metrics.rate_limited.labels(scope=exc.scope).inc()
                 return await refuse(exc.code, exc.message, exc.retry_after_ms)

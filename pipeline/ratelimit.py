@@ -167,6 +167,16 @@ def take(state: BucketState | None, now_ms: float, limits: TierLimits, cost: flo
     return TakeResult(False, BucketState(tokens, updated_ms), retry_after_ms)
 
 
+def charge_time_ms(created_ms: float, record_ms: float, now_ms: float, slack_ms: float) -> float:
+    """When a request is charged to its buckets: its own time (``created_at``), so a backlog that
+    waited in Kafka through a stall or a restart is not taken for a burst, but never earlier than its
+    record's timestamp less ``slack_ms`` (the request topic carries the broker's append time, which no
+    client sets) and never later than ``now_ms``. A client's ``created_at`` alone once decided it: each
+    request dated one refill later than the last, all of them years in the past, found the bucket
+    full again, without limit (docs/architecture.md, "Security")."""
+    return min(max(created_ms, record_ms - slack_ms), now_ms)
+
+
 class RateLimiter:
     """Checks the user's bucket, then the tenant's, against a state mapping.
 

@@ -765,6 +765,34 @@ async def test_a_follower_outlives_a_leader_that_missed_the_deadline_its_client_
         assert await w.count(w.topics.replies) == 4, "one reply per request"
 
 
+async def test_a_client_dating_its_requests_in_the_past_is_still_rate_limited(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    """Each request dated an hour after the one before, all in 1970 (deadlines off, so none expires):
+    charged at those dates, each found its bucket full again and all were served. Charged no
+    earlier than their records' broker time less the clock slack, the third is refused (burst 2)."""
+    async with inprocess(
+        kafka,
+        tmp_path,
+        rate_limit_enabled="true",
+        user_burst_free="2",
+        user_rate_per_s_free="0.001",
+        deadlines_enabled="false",
+    ) as w:
+        futures = [
+            await w.client.submit(
+                request(
+                    f"dated-{i}", "dater", f"q {i}", tier="free", priority="offline", created_at=i * 3_600_000
+                )
+            )
+            for i in range(1, 4)
+        ]
+        replies = await w.replies(*futures)
+        await w.settled()
+        assert [r.status for r in replies] == ["ok", "ok", "error"], replies
+        assert replies[2].error is not None and replies[2].error.code == "rate_limited"
+
+
 async def test_records_thrown_away_when_faust_resumes_its_flow_are_read_again(
     kafka: EmbeddedKafka, tmp_path: Path
 ) -> None:

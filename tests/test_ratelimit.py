@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.exceptions import InvalidRequestError, RateLimitedError, SettingsError
-from pipeline.ratelimit import BucketState, RateLimitConfig, RateLimiter, TierLimits, take
+from pipeline.ratelimit import BucketState, RateLimitConfig, RateLimiter, TierLimits, charge_time_ms, take
 
 rates = st.floats(min_value=0.1, max_value=1000.0, allow_nan=False)
 bursts = st.floats(min_value=1.0, max_value=200.0, allow_nan=False)
@@ -158,6 +158,30 @@ def test_user_bucket_refuses_with_user_scope_and_numbers() -> None:
     limiter.check("bob", "free", "small", now_ms=0.0)
     assert table["tenant:small"]["tokens"] == pytest.approx(94.0)
     assert set(table) == {"user:alice", "user:bob", "tenant:small"}
+
+
+def test_a_client_s_dates_cannot_refill_its_bucket() -> None:
+    """Free tier: 2/s, burst 5. A client dating each request one refill (2.5 s) after the last, all
+    years in the past, found the bucket full every time when its created_at decided the charge: 50
+    requests in one instant, all admitted. Charged no earlier than the record's broker time less the
+    slack, the sixth is refused; a backlog's own times within that still count (no burst)."""
+    now = 1_700_000_000_000.0
+    limiter, _ = _limiter(tenant=TierLimits(1_000.0, 1_000.0))
+    admitted = 0
+    for i in range(50):
+        created = 1_000_000.0 + i * 2_500  # 1970, each a full refill after the one before
+        try:
+            limiter.check("mallory", "free", "small", charge_time_ms(created, now, now, 1_000))
+            admitted += 1
+        except RateLimitedError:
+            pass
+    assert admitted == 5
+    # its own time, between its record's time less the slack and now: kept
+    assert charge_time_ms(now - 400, now - 300, now, 1_000) == now - 400
+    assert charge_time_ms(now - 5_000, now - 300, now, 1_000) == now - 1_300
+    assert charge_time_ms(now + 900, now + 900, now, 1_000) == now  # never after now
+    # a backlog: records appended a minute ago, read now, charged at their own times
+    assert charge_time_ms(now - 60_000, now - 60_000, now, 1_000) == now - 60_000
 
 
 def test_tenant_refusal_does_not_charge_the_user() -> None:
