@@ -19,13 +19,13 @@ import unicodedata
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import numpy as np
 
 from pipeline.exceptions import SurgeError
 from pipeline.guard import guard_allows
 from pipeline.pairs import MergeDecision
+from pipeline.textcache import TextCache
 
 __all__ = [
     "DEFAULT_SEMANTIC_THRESHOLD",
@@ -194,15 +194,18 @@ def _normalize_once(text: str) -> str:
     return " ".join(kept) if kept else text
 
 
-#: texts whose normal form is kept (about 0.3 KB each): a bound on memory, not only on time
+#: texts whose normal form is kept: a question and its normal form take about 0.3 KB, so the count
+#: binds first (about 5 MiB); a text of the content limit takes 64 KiB or more, and the bytes bind
+#: (docs/architecture.md, "Security")
 NORMALIZE_CACHE = 16_384
+NORMALIZE_CACHE_BYTES = 8 << 20
 
 
-@lru_cache(maxsize=NORMALIZE_CACHE)
-def normalize(text: str) -> str:
+def _normalize(text: str) -> str:
     """Normalise ``text`` for exact matching: NFKC, casefold, no punctuation, single spaces, no fillers.
 
-    Cached: the registry, the merge decision and the caches all ask for the same texts.
+    Cached (:data:`normalize`): the registry, the merge decision and the caches all ask for the same
+    texts.
 
     Called by intake for the exact cache key and by :func:`cluster` for exact merges. Punctuation
     between two digits stays (``12.5`` is not ``125``). Idempotent: applied until it stops changing.
@@ -214,6 +217,9 @@ def normalize(text: str) -> str:
             break
         current = nxt
     return current
+
+
+normalize: TextCache[str] = TextCache(_normalize, NORMALIZE_CACHE, NORMALIZE_CACHE_BYTES)
 
 
 def scope_key(tenant: str, model: str | None, max_tokens: int, temperature: float, logprobs: bool) -> str:

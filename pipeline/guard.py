@@ -43,11 +43,13 @@ word lists are module-level constants: extend them there.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import re
 import unicodedata
 from dataclasses import dataclass
-from functools import lru_cache
+
+from pipeline.textcache import TextCache
 
 # The tables of pairs and mappings below (antonyms, opposite actions, number, currency and date
 # words) keep ``# fmt: skip``: they are hand-laid-out data, a few pairs or one currency a row, that
@@ -309,8 +311,12 @@ DATE_WORDS: dict[str, str] = {
 _WORD_RE = re.compile(r"[^\W\d_]+(?:['-][^\W\d_]+)*")
 _NUMBER_RE = re.compile(r"\d+(?:[.,]\d+)*")
 _TIMES_RE = re.compile(r"(?<![\w.,])(\d+|[^\W\d_]+) times\b")
-_DATE_RE = re.compile(r"\d+(?:[/-]\d+)+|\d{1,2}\.\d{1,2}\.\d{2,4}\b")
-_MASKED_RE = re.compile(r"(?:[*•#]|x(?=[x\d])){2,}\s?(\d{2,})")
+# A pattern that can start anywhere inside a long run of what it repeats, and then fail, costs the
+# run's length at every position: quadratic (32 KiB of digits took 42 s). The lookbehinds below let a
+# match start only where the run starts; a match that could start later in the run could start at its
+# beginning too, with the same groups, so what is found is unchanged (docs/architecture.md, "Security").
+_DATE_RE = re.compile(r"(?<!\d)\d+(?:[/-]\d+)+|\d{1,2}\.\d{1,2}\.\d{2,4}\b")
+_MASKED_RE = re.compile(r"(?<![*•#])(?<!x(?=[x\d]))(?:[*•#]|x(?=[x\d])){2,}\s?(\d{2,})")
 _TOKEN_RE = re.compile(r"[\w*•#]+")
 _ZH_NUMERAL_RE = re.compile(f"[{NUMERALS_ZH}]+")
 _ZH_WEEKDAY_RE = re.compile(r"(?:星期|周|礼拜)([一二三四五六日天])")
@@ -413,6 +419,8 @@ class GuardFeatures:
     words: frozenset[str] = frozenset()
     #: the text reports that something went wrong: a negation or a word of :data:`PROBLEM_WORDS_EN`
     reports_problem: bool = False
+    #: a digest of what follows the first :data:`GUARD_TEXT_CHARS` characters ("" when nothing does)
+    rest: str = ""
 
 
 def _canonical_number(token: str) -> str:
@@ -433,6 +441,13 @@ def _canonical_date(token: str) -> str:
     return "date:" + "/".join(part.lstrip("0") or "0" for part in re.split(r"[/.-]", token))
 
 
+#: how much of a text the guard reads: its first 2,000 characters after NFKC and casefolding. A
+#: question is far shorter; the bound keeps the cost and size of a text's features independent of the
+#: content limit (32 KiB). What lies past it is compared whole (:attr:`GuardFeatures.rest`): two texts
+#: that differ there never merge (docs/architecture.md, "Semantic dedup").
+GUARD_TEXT_CHARS = 2_000
+
+
 def _prepare(text: str) -> str:
     """NFKC, casefold and plain apostrophes; the text the features are read from."""
     text = unicodedata.normalize("NFKC", text).casefold()
@@ -448,15 +463,21 @@ def _is_reference(token: str) -> bool:
     return not (_NUMBER_UNIT_RE.match(token) or _SHORT_PREFIXED_RE.match(token))
 
 
-#: texts whose guard features are kept (about 3 KB each, so about 25 MiB in all): every distinct
-#: question a client sends passes through here, so the bound is on memory as much as on time
+#: texts whose guard features are kept: a question's take about 3 KB, so the count binds first
+#: (about 25 MiB); long texts' take up to about 30 KiB, and the bytes bind. Every distinct question a
+#: client sends passes through here, so the bound is on memory as much as on time.
 FEATURES_CACHE = 8_192
+FEATURES_CACHE_BYTES = 32 << 20
 
 
-@lru_cache(maxsize=FEATURES_CACHE)
-def features(text: str) -> GuardFeatures:
-    """Extract the guard's features of ``text``; cached, since a leader is compared many times."""
+def _features(text: str) -> GuardFeatures:
+    """Extract the guard's features of ``text`` (of its first :data:`GUARD_TEXT_CHARS` characters)."""
     prepared = _prepare(text)
+    remainder = ""
+    if len(prepared) > GUARD_TEXT_CHARS:
+        tail = prepared[GUARD_TEXT_CHARS:].encode("utf-8", "surrogatepass")
+        remainder = hashlib.blake2b(tail, digest_size=16).hexdigest()
+        prepared = prepared[:GUARD_TEXT_CHARS]
     # split letters from digits so that "10am" and "50eur" read as "10 am" and "50 eur"
     spaced = re.sub(r"(?<=\d)(?=[^\W\d_])|(?<=[^\W\d_])(?=\d)", " ", prepared)
     words = [w for w in _WORD_RE.findall(spaced)]
@@ -544,7 +565,12 @@ def features(text: str) -> GuardFeatures:
         poles=frozenset(poles),
         words=frozenset(word_set),
         reports_problem=problem,
+        rest=remainder,
     )
+
+
+#: the guard's features of a text; cached, since a leader is compared many times
+features: TextCache[GuardFeatures] = TextCache(_features, FEATURES_CACHE, FEATURES_CACHE_BYTES)
 
 
 def _weak_conflict(a: frozenset[str], b: frozenset[str]) -> tuple[str, str] | None:
@@ -600,6 +626,8 @@ def compatible(fa: GuardFeatures, fb: GuardFeatures, strict: bool = True) -> tup
     otherwise only an action and its opposite do. The reason names what differs without saying which
     side had it, so it is symmetric too.
     """
+    if fa.rest != fb.rest:
+        return False, f"texts differ past the first {GUARD_TEXT_CHARS} characters"
     if fa.negations != fb.negations:
         return False, "negation differs"
     if fa.reports_problem != fb.reports_problem:

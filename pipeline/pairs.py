@@ -54,6 +54,7 @@ import numpy as np
 
 from pipeline.exceptions import SurgeError
 from pipeline.guard import action_asymmetry, guard_allows, hard_conflict
+from pipeline.textcache import TextCache
 
 __all__ = [
     "FEATURES",
@@ -467,14 +468,21 @@ class Head:
         return 1.0 / (1.0 + np.exp(-z))
 
 
+#: what the merge decision's cached text profiles may hold, per profile kept (see :class:`LearnedDecision`)
+PROFILE_BYTES = 16 << 10
+
+
 class LearnedDecision:
     """The shipped pair classifier (see the module docstring); load it with :func:`load_decision`.
 
     ``cosine_fallback``: with an embedder other than the one the English head was trained with, its
     cosines mean something else; give the plain threshold for it here and embedded pairs fall back to
     :class:`ThresholdDecision` (the Chinese head reads characters and keeps working).
-    ``profile_cache``: how many texts' profiles are kept (about 18 KB each, so about 36 MiB; the open leaders and the
-    cache's candidates are what is read again).
+    ``profile_cache``: how many texts' profiles are kept (the open leaders and the cache's candidates
+    are what is read again), and ``profile_cache_bytes`` how much they may hold (default: 16 KiB a
+    profile, 32 MiB for 2,048): a question's profile takes about 5 KiB, so the count binds first; one
+    of a text of the content limit (32 KiB) takes about 1.2 MiB, and the bytes bind
+    (docs/architecture.md, "Security").
     """
 
     name = "learned"
@@ -486,6 +494,7 @@ class LearnedDecision:
         meta: Mapping[str, Any] | None = None,
         cosine_fallback: float | None = None,
         profile_cache: int = 2048,
+        profile_cache_bytes: int | None = None,
     ) -> None:
         self.heads = dict(heads)
         self.idf = idf
@@ -497,7 +506,9 @@ class LearnedDecision:
             self.cosine_floor = self._fallback.cosine_floor
         else:
             self.cosine_floor = en.cosine_floor if en is not None else 1.0
-        self.profile = lru_cache(maxsize=profile_cache)(self._profile)
+        if profile_cache_bytes is None:
+            profile_cache_bytes = profile_cache * PROFILE_BYTES
+        self.profile: TextCache[Profile] = TextCache(self._profile, profile_cache, profile_cache_bytes)
 
     def _profile(self, text: str) -> Profile:
         return build_profile(text, self.idf)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import tracemalloc
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -485,3 +486,31 @@ def test_real_embedder_clusters_paraphrase_groups(embed) -> None:
         assert leader_group[o.leader_id] == group_of[o.index], (texts[o.index], o.leader_id)
     # every paraphrase group but the last (opposites) collapses to one leader
     assert sorted(leader_group.values()) == [0, 1, 2, 3, 3]
+
+
+# --- the normal-form cache under hostile input ----------------------------------------------------
+
+
+def test_normalize_cache_is_bounded_by_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every request's last user message is normalised (docs/architecture.md, "Security"): 16,384
+    distinct 32 KiB texts kept with their normal forms were 1 GiB; the cache counts bytes too."""
+    normalize.cache_clear()
+    budget = 1 << 20
+    monkeypatch.setattr(normalize, "max_bytes", budget, raising=False)
+    tracemalloc.start()
+    try:
+        for i in range(48):
+            # upper case: the normal form is a second 32 KiB string; the text is dropped unless kept
+            normalize(f"Q{i} " + "X" * (32 * 1024 - 8))
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    try:
+        assert held < budget * 3 // 2, held  # 3 MiB (48 x 64 KiB) when the count was the only bound
+        # a question is still cached
+        assert normalize("Hi, how do I LOCK my card?") == "how do i lock my card"
+        hits = normalize.cache_info().hits
+        assert normalize("Hi, how do I LOCK my card?") == "how do i lock my card"
+        assert normalize.cache_info().hits == hits + 1
+    finally:
+        normalize.cache_clear()

@@ -266,6 +266,25 @@ def test_a_text_profile_takes_a_few_kib() -> None:
     assert per_profile < 6 * 1024, per_profile
 
 
+def test_profile_cache_is_bounded_by_bytes() -> None:
+    """A profile of a text of the content limit (32 KiB) holds the text twice and its normal form: the
+    cache counts bytes as well as profiles (docs/architecture.md, "Security")."""
+    decision = LearnedDecision({}, IdfTable.uniform(), profile_cache=8)  # 8 x 16 KiB: 128 KiB
+    tracemalloc.start()
+    try:
+        for i in range(12):
+            decision.profile(f"q{i} " + "x" * (32 * 1024 - 8))  # the text is dropped unless kept
+        normalize.cache_clear()  # what the normal forms held is the other cache's
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held < 128 << 10, held  # 8 x 96 KiB when the count was the only bound
+    decision.profile("how do i lock my card")
+    hits = decision.profile.cache_info().hits
+    decision.profile("how do i lock my card")
+    assert decision.profile.cache_info().hits == hits + 1
+
+
 # --- decisions -----------------------------------------------------------------------------------
 
 

@@ -47,9 +47,9 @@ CACHE_ENTRIES = 5_000
 ENTRY_KIB = 4
 #: tables whose stores grow with what clients send: rate limits, answers, the reply book
 GROWING_TABLES = 3
-#: caches of per-text work that every distinct question passes through, MiB: normal forms
-#: (``pipeline.dedup.NORMALIZE_CACHE`` x 0.3 KB), guard features (``pipeline.guard.FEATURES_CACHE`` x
-#: 3.2 KB) and the merge decision's profiles (2,048 x 18 KB): about 68 MiB full
+#: caches of per-text work that every distinct question passes through, MiB, each bounded by bytes
+#: (``pipeline.textcache.TextCache``): normal forms 8, guard features 32, the merge decision's
+#: profiles 32, so at most 72 MiB whatever the texts
 TEXT_CACHES_MIB = 80
 #: the worker's settings: the echo model; caches and merging on (their defaults) and rate limits on
 #: (BASE_ENV turns them off); the cache bound lowered; tenant buckets too large to refuse anything;
