@@ -136,8 +136,11 @@ def _messages(raw: Any) -> list[dict[str, str]]:
         if not isinstance(m, dict):
             raise InvalidRequestError(f"messages[{i}] must be an object, got {type(m).__name__}")
         role = m.get("role")
-        if role not in _ROLES:
-            raise InvalidRequestError(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}")
+        # a list or an object is not hashable: ``in`` a set would raise TypeError (an HTTP 500)
+        if not isinstance(role, str) or role not in _ROLES:
+            raise InvalidRequestError(
+                f"messages[{i}].role must be one of {sorted(_ROLES)}, got {_show(role)}"
+            )
         out.append(
             {"role": "system" if role == "developer" else role, "content": _content_text(m.get("content"), i)}
         )

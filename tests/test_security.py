@@ -180,6 +180,8 @@ def test_the_request_carries_the_keys_tenant_tier_and_priority() -> None:
         (None, {"X-Surge-Deadline-Ms": "\u00b2"}, "ASCII digits"),
         (None, {"X-Surge-Deadline-Ms": "\u0661\u0662\u0663"}, "ASCII digits"),
         (None, {"X-Surge-Deadline-Ms": "9" * 5000}, "ASCII digits"),
+        (b'{"messages": [{"role": ["user"], "content": "hi"}]}', {}, "messages[0].role must be one of"),
+        (b'{"messages": [{"role": {"a": 1}, "content": "hi"}]}', {}, "messages[0].role must be one of"),
         (None, {"X-Surge-Deadline-Ms": "0"}, "integer 1-604800000"),
         (None, {"X-Surge-Deadline-Ms": "999999999999"}, "integer 1-604800000"),
         (
