@@ -180,7 +180,7 @@ class Escalations:
         produced = (local.get("timings") or {}).get("produced_ms", asked_ms)
         left = self.policy.left_ms(produced, asked_ms)
         if left <= 0:  # behind a backlog, or read again after a crash: no time to ask
-            rid = request_id(self.key, local["event_id"])
+            rid = request_id(self.key, account, local["event_id"])
             final = no_time_decision(local, self.policy, rid=rid, left_ms=left, decided_ms=asked_ms)
             if acker.generation == generation:
                 out = await rt.send(rt.topics.risk_decisions, account, jsonio.dumps(final))

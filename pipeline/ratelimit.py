@@ -181,7 +181,8 @@ class RateLimiter:
     """Checks the user's bucket, then the tenant's, against a state mapping.
 
     ``state`` is any ``MutableMapping[str, dict]`` (a Faust table in the intake agent; a dict in
-    tests). Keys are ``user:<user_id>`` and ``tenant:<tenant>`` (``tenant:<tenant>#<shard>`` with
+    tests). Keys are ``user:<len(tenant)>:<tenant>:<user_id>`` and ``tenant:<tenant>``
+    (``tenant:<tenant>#<shard>`` with
     ``tenant_shards > 1``). A refused request writes nothing; an admitted one writes both buckets.
 
     Tenant buckets and partitions: the table is partitioned by user_id, so one tenant's users are
@@ -203,8 +204,11 @@ class RateLimiter:
         self.tenant_shards = tenant_shards
 
     @staticmethod
-    def user_key(user_id: str) -> str:
-        return f"user:{user_id}"
+    def user_key(user_id: str, tenant: str) -> str:
+        """A user's bucket: one per tenant and user id (the tenant length-prefixed, so no two pairs
+        collide). Keyed by the user id alone, user ``bob`` of two tenants shared a bucket, and a
+        client of one tenant could drain another's (docs/architecture.md, "Tenant isolation")."""
+        return f"user:{len(tenant)}:{tenant}:{user_id}"
 
     def tenant_key(self, tenant: str, shard: int = 0) -> str:
         if self.tenant_shards == 1:
@@ -255,7 +259,7 @@ class RateLimiter:
         burst, and ``retry_after_ms``.
         """
         user_limits = self.config.user_limits(tier)
-        ukey = self.user_key(user_id)
+        ukey = self.user_key(user_id, tenant)
         user = take(self._load(ukey), now_ms, user_limits, cost)
         if not user.allowed:
             raise RateLimitedError(

@@ -157,7 +157,21 @@ def test_user_bucket_refuses_with_user_scope_and_numbers() -> None:
     # another user of the same tenant is unaffected; the tenant bucket counted 6 admitted requests
     limiter.check("bob", "free", "small", now_ms=0.0)
     assert table["tenant:small"]["tokens"] == pytest.approx(94.0)
-    assert set(table) == {"user:alice", "user:bob", "tenant:small"}
+    assert set(table) == {"user:5:small:alice", "user:5:small:bob", "tenant:small"}
+
+
+def test_one_user_id_in_two_tenants_has_two_buckets() -> None:
+    """User ``bob`` of tenant acme and user ``bob`` of tenant beta (or the risk escalation's account
+    ``acme/bob`` and the gateway's ``acme/bob``) once shared the bucket ``user:bob``: a client of one
+    tenant could drain the other's."""
+    limiter, table = _limiter(tenant=TierLimits(100.0, 100.0))
+    for _ in range(5):
+        limiter.check("bob", "free", "acme", now_ms=0.0)
+    with pytest.raises(RateLimitedError):
+        limiter.check("bob", "free", "acme", now_ms=0.0)
+    limiter.check("bob", "free", "beta", now_ms=0.0)  # another tenant's bob: a full bucket
+    assert {"user:4:acme:bob", "user:4:beta:bob"} <= set(table)
+    assert RateLimiter.user_key("a:b", "c") != RateLimiter.user_key("b", "a:c")
 
 
 def test_a_client_s_dates_cannot_refill_its_bucket() -> None:
@@ -191,13 +205,13 @@ def test_tenant_refusal_does_not_charge_the_user() -> None:
     with pytest.raises(RateLimitedError) as info:
         limiter.check("u4", "free", "small", now_ms=0.0)
     assert (info.value.scope, info.value.key, info.value.retry_after_ms) == ("tenant", "small", 1000)
-    assert "user:u4" not in table  # nothing written for a refused request
-    before = dict(table["user:u1"])
+    assert "user:5:small:u4" not in table  # nothing written for a refused request
+    before = dict(table["user:5:small:u1"])
     with pytest.raises(RateLimitedError):
         limiter.check("u1", "free", "small", now_ms=100.0)
-    assert table["user:u1"] == before
+    assert table["user:5:small:u1"] == before
     limiter.check("u4", "free", "small", now_ms=1_000.0)  # the tenant refilled one token
-    assert table["user:u4"]["tokens"] == pytest.approx(4.0)
+    assert table["user:5:small:u4"]["tokens"] == pytest.approx(4.0)
 
 
 def test_tenants_do_not_share_buckets() -> None:
@@ -256,19 +270,21 @@ def test_forgetting_a_forgettable_bucket_changes_no_decision(
                 outcomes.append(False)
         assert outcomes[0] == outcomes[1]
     now += later_ms
-    if b.forgettable("user:u1", kept.get("user:u1"), now):
+    ukey = RateLimiter.user_key("u1", "t1")
+    if b.forgettable(ukey, kept.get(ukey), now):
         # dropped now: the next decision must be what the full bucket gives
-        assert take(BucketState.from_dict(kept["user:u1"]), now, RateLimitConfig().users[tier]).allowed
+        assert take(BucketState.from_dict(kept[ukey]), now, RateLimitConfig().users[tier]).allowed
 
 
 def test_forgettable_needs_the_slowest_tier_to_be_full_again() -> None:
     lim = RateLimiter(RateLimitConfig(), {})
     lim.check("u1", "premium", "t1", 0.0)
-    raw = lim.state["user:u1"]
+    ukey = RateLimiter.user_key("u1", "t1")
+    raw = lim.state[ukey]
     slowest_ms = max(t.burst / t.rate_per_s for t in RateLimitConfig().users.values()) * 1000
-    assert not lim.forgettable("user:u1", raw, slowest_ms - 1)
-    assert lim.forgettable("user:u1", raw, slowest_ms)
-    assert lim.forgettable("user:u1", {"tokens": "x"}, 0.0), "a malformed entry goes"
+    assert not lim.forgettable(ukey, raw, slowest_ms - 1)
+    assert lim.forgettable(ukey, raw, slowest_ms)
+    assert lim.forgettable(ukey, {"tokens": "x"}, 0.0), "a malformed entry goes"
     shards = RateLimiter(RateLimitConfig(), {}, tenant_shards=8)
     shards.check("u1", "free", "acme", 0.0, shard=3)
     t = RateLimitConfig().tenant

@@ -71,10 +71,14 @@ def test_review_is_always_escalated_and_approve_only_from_the_minimum_score() ->
 
 
 def test_request_ids_are_keyed_stable_and_do_not_reveal_the_event_id() -> None:
-    a = request_id(KEY, "ev-1")
-    assert a == request_id(KEY, "ev-1")  # every worker with the key asks under the same id
-    assert a != request_id(KEY, "ev-2")
-    assert a != request_id(b"another key", "ev-1")  # unpredictable without the key
+    a = request_id(KEY, "acct-1", "ev-1")
+    assert a == request_id(KEY, "acct-1", "ev-1")  # every worker with the key asks under the same id
+    assert a != request_id(KEY, "acct-1", "ev-2")
+    assert a != request_id(b"another key", "acct-1", "ev-1")  # unpredictable without the key
+    # event ids are each account's own: another account's ev-1 is another case, with its own answer
+    # (of the event id alone, one account's harmless case answered the other's large transfer)
+    assert a != request_id(KEY, "acct-2", "ev-1")
+    assert request_id(KEY, "a:b", "c") != request_id(KEY, "a", "b:c")
     assert "ev-1" not in a and a.startswith("risk-")
     assert InferenceRequest.model_validate({"request_id": a, "user_id": "u", "prompt": "p"}).request_id == a
 
@@ -89,7 +93,7 @@ def test_the_request_is_a_valid_realtime_request_with_what_is_left_of_the_budget
     assert req.user_id == "acc-9" and req.reply_to == "surge.replies.risk"
     assert req.deadline_ms == 100  # produced at 1,000, due at 1,150, asked at 1,050
     assert req.cache is False  # never merged with another case, never answered from a cache
-    assert req.request_id == request_id(KEY, "ev-1")
+    assert req.request_id == request_id(KEY, "acc-9", "ev-1")
     # asked again later (after a crash, while budget is left): the same id, the same question
     again = request_record(local(), EVENT, p, key=KEY, tenant="risk", reply_to="t", now_ms=1_120)
     assert again["deadline_ms"] == 30 and again["request_id"] == rec["request_id"]

@@ -104,7 +104,7 @@ async def test_borderline_decisions_are_decided_by_the_model_path(deployment: An
             assert x.decision == "decline", x
             assert x.escalation is not None and x.escalation.outcome == "answered"
             assert x.escalation.local_decision in ("approve", "review")
-            assert x.escalation.request_id == request_id(KEY.encode(), eid)
+            assert x.escalation.request_id == request_id(KEY.encode(), x.account, eid)
             assert "account takeover" in x.reasons[-1]
             assert x.timings is not None and x.timings.escalation_ms is not None
         for x in local.values():  # the fast path was sure: nothing to ask

@@ -91,10 +91,13 @@ class EscalationPolicy:
         return max(0, produced_ms + self.wait_max_ms - now_ms) / 1000
 
 
-def request_id(key: bytes, event_id: str) -> str:
-    """The escalation request's id for an event: the same for every worker holding ``key``, and
-    unpredictable without it."""
-    return "risk-" + hmac.new(key, event_id.encode(), hashlib.sha256).hexdigest()[:32]
+def request_id(key: bytes, account: str, event_id: str) -> str:
+    """The escalation request's id for an account's event: the same for every worker holding
+    ``key``, and unpredictable without it. Event ids are each account's own, so the account is part
+    of it (length-prefixed): of the event id alone, two accounts' events with one id shared one
+    escalation, and the model's answer to one decided both (docs/architecture.md, "Tenant isolation")."""
+    msg = f"{len(account)}:{account}:{event_id}".encode("utf-8", "surrogatepass")
+    return "risk-" + hmac.new(key, msg, hashlib.sha256).hexdigest()[:32]
 
 
 def case_messages(event: dict[str, Any], local: dict[str, Any]) -> list[dict[str, str]]:
@@ -229,7 +232,7 @@ def request_record(
     while some is left)."""
     produced = (local.get("timings") or {}).get("produced_ms", now_ms)
     rec: dict[str, Any] = {
-        "request_id": request_id(key, local["event_id"]),
+        "request_id": request_id(key, local["account"], local["event_id"]),
         "user_id": local["account"],
         "tenant": tenant,
         "tier": "premium",
