@@ -140,15 +140,21 @@ async def test_work_whose_deadline_passed_in_kafka_is_answered_without_being_emb
 
 
 async def test_a_stalled_backlog_sent_within_the_rate_is_not_rate_limited(deployment) -> None:
-    """Charged at the request's own time: a backlog that waited in Kafka is not a burst."""
+    """Charged at the request's own time: a backlog that waited in Kafka is not a burst. The paced
+    requests really are sent at 5/s: the request topic stamps each record with the broker's time, and
+    a request is charged no earlier than that less the 1 s clock slack, so dates a client writes
+    cannot spread an instant's burst over the past (tests/test_agents_inprocess.py,
+    ``test_a_client_dating_its_requests_in_the_past_is_still_rate_limited``)."""
     d = deployment(model="echo", user_rate_per_s_standard="5", user_burst_standard="2", **RELAXED_ALL)
     c = await d.client()
-    start = now_ms() - 6_000
-    # 25 requests at 5/s (as their created_at says), all waiting in Kafka while no worker runs
-    paced = [
-        await c.submit(request(f"p{i}", "steady", f"q {i}", created_at=start + 200 * i)) for i in range(25)
-    ]
+    # 25 requests at 5/s, all waiting in Kafka while no worker runs
+    paced = []
+    for i in range(25):
+        paced.append(await c.submit(request(f"p{i}", "steady", f"q {i}", created_at=now_ms())))
+        await c.producer.flush()
+        await asyncio.sleep(0.2)
     # and a real burst from another user: 25 at one instant
+    start = now_ms()
     burst = [await c.submit(request(f"b{i}", "bursty", f"q {i}", created_at=start)) for i in range(25)]
     await c.producer.flush()
     await asyncio.sleep(1.0)
