@@ -309,7 +309,9 @@ def check_key(
 ) -> None:
     """Raise ``error`` when a record's Kafka key is not its ``field`` (``value``): records are keyed by
     that field, so that one user's (or account's) records share a partition."""
-    if key is not None and key.decode("utf-8", "replace") != value:
+    # bytes, not a lenient decoding: keys that differ only in bytes that are not UTF-8 would all
+    # pass as one user's, and land on partitions (and rate-limit buckets) of their own
+    if key is not None and key != value.encode("utf-8", "surrogatepass"):
         shown = key[:80].decode("utf-8", "replace") + (f"... ({len(key)} bytes)" if len(key) > 80 else "")
         raise error(f"record key {shown!r} differs from {field} {value!r}; key {records} by {field}")
 

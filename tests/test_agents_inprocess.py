@@ -739,6 +739,33 @@ async def test_a_users_requests_without_a_key_share_one_bucket_whatever_their_pa
         assert len(sent_on) == 3, "each unkeyed record sent on once, keyed by its user"
 
 
+@pytest.mark.parametrize("codec", ["lz4", "snappy", "zstd", "gzip"])
+async def test_requests_a_producer_compressed_with_any_kafka_codec_are_answered(
+    kafka: EmbeddedKafka, tmp_path: Path, codec: str
+) -> None:
+    """A librdkafka producer compressing its batches: without the lz4, snappy and zstd codecs
+    (cramjam) aiokafka's fetcher raised ``UnsupportedCodecError`` and the worker stopped, again on
+    every restart, since the record was never committed."""
+    producer = Producer({"bootstrap.servers": kafka.bootstrap, "compression.type": codec, "linger.ms": 50})
+    async with inprocess(kafka, tmp_path) as w:
+        # long and repetitive, so that the codec saves bytes (librdkafka sends a batch that does
+        # not shrink uncompressed)
+        texts = [
+            f"question {i} about my card: " + "why was my card declined at the shop? " * 200 for i in range(3)
+        ]
+        futures = [w.client.expect(f"r-{codec}-{i}") for i in range(3)]
+        for i, text in enumerate(texts):
+            raw = json.dumps(request(f"{codec}-{i}", "packer", text)).encode()
+            producer.produce(w.topics.requests, key=b"packer", value=raw)
+        assert producer.flush(10) == 0
+        replies = list(await asyncio.wait_for(asyncio.gather(*futures), REPLY_TIMEOUT_S))
+        await w.settled()
+
+        assert [r.status for r in replies] == ["ok"] * 3, replies
+        for i, reply in enumerate(replies):  # the echo model's answer: the question, cut short
+            assert reply.answer and len(reply.answer) > 40 and texts[i].startswith(reply.answer), reply
+
+
 async def test_a_follower_outlives_a_leader_that_missed_the_deadline_its_client_chose(
     kafka: EmbeddedKafka, tmp_path: Path
 ) -> None:

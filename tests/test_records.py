@@ -240,6 +240,15 @@ def test_key_must_equal_user_id() -> None:
     assert "'someone-else'" in msg and "'user-1'" in msg
 
 
+def test_a_key_that_is_not_utf_8_never_passes_for_a_user_id() -> None:
+    """Keys compared after a lenient decoding let ``k\\x80``, ``k\\x81``, ... all pass as user
+    ``k\\ufffd``: forty keys, forty partitions' buckets, four times the user's burst served."""
+    rec = base(user_id="k\ufffd")
+    for key in (b"k\x80", b"k\xa7", b"k\xff"):
+        assert "differs from user_id" in rejected(raw_of(rec), key=key)
+    assert decode(raw_of(rec), key="k\ufffd".encode()).user_id == "k\ufffd"
+
+
 def test_a_deadline_past_a_week_or_a_date_past_the_year_2286_is_refused() -> None:
     """A 400-digit ``deadline_ms`` on an offline request passed validation and stopped every worker
     that read it (the scheduler's float arithmetic overflowed), again after each restart."""
