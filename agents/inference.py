@@ -332,15 +332,13 @@ class Inference:
             rt.acker.ack_after([ticket], [await rt.deadletter(event, "invalid_work_item", exc.message)])
             return
         req = work.request
-        recorded = rt.recorded(req.tenant, req.user_id, req.request_id, work.reply_to)
+        recorded = rt.recorded(req, work.reply_to)
         if recorded is not None:
-            again = await rt.resend(
-                recorded, work.reply_to, tenant=req.tenant, user_id=req.user_id, request_id=req.request_id
-            )
+            again = await rt.resend(recorded, work.reply_to, req)
             rt.acker.ack_after([ticket], [again])
             return
         pending = self._pending(stream, event, ticket, work)
-        key = reply_key(req.tenant, req.user_id, req.request_id, work.reply_to)
+        key = reply_key(req.tenant, req.user_id, req.request_id, work.reply_to, req.digest)
         first = self._inflight.get(key)
         if first is not None:  # the same request read again while its first copy is in flight
             first.twins.append(pending)
@@ -435,7 +433,7 @@ class Inference:
 
     def _answered(self, pending: Pending) -> None:
         req = pending.work.request
-        key = reply_key(req.tenant, req.user_id, req.request_id, pending.work.reply_to)
+        key = reply_key(req.tenant, req.user_id, req.request_id, pending.work.reply_to, req.digest)
         if self._inflight.get(key) is pending:
             del self._inflight[key]
 
@@ -697,7 +695,9 @@ class Inference:
             work = None
         if work is not None:
             req = work.request
-            self._inflight.pop(reply_key(req.tenant, req.user_id, req.request_id, work.reply_to), None)
+            self._inflight.pop(
+                reply_key(req.tenant, req.user_id, req.request_id, work.reply_to, req.digest), None
+            )
             futs.append(
                 await rt.error_reply(
                     request_id=req.request_id,
@@ -709,6 +709,7 @@ class Inference:
                     created_at_ms=work.created_at_ms,
                     tenant=req.tenant,
                     event=event,
+                    digest=req.digest,
                 )
             )
         futs.append(await rt.deadletter(event, "internal", f"internal error: {exc!r}"))

@@ -99,13 +99,9 @@ class Intake:
             assert msg.value is not None  # decode_request refused an empty record
             rt.acker.ack_after([ticket], [await rt.send(rt.topics.requests, req.user_id, msg.value)])
             return
-        recorded = rt.recorded(req.tenant, req.user_id, req.request_id, reply_to)
+        recorded = rt.recorded(req, reply_to)
         if recorded is not None:
-            futures.append(
-                await rt.resend(
-                    recorded, reply_to, tenant=req.tenant, user_id=req.user_id, request_id=req.request_id
-                )
-            )
+            futures.append(await rt.resend(recorded, reply_to, req))
             rt.acker.ack_after([ticket], futures)
             return
         futures.append(await self._decide(req, reply_to, event))
@@ -158,6 +154,7 @@ class Intake:
                 created_at_ms=created,
                 tenant=req.tenant,
                 event=event,
+                digest=req.digest,
             )
 
         if deadline is not None and now >= deadline:
@@ -195,7 +192,12 @@ class Intake:
                     timings=Timings(total_ms=max(0, now - created)),
                 )
                 return await rt.publish(
-                    reply, tenant=req.tenant, reply_to=reply_to, created_at_ms=created, event=event
+                    reply,
+                    tenant=req.tenant,
+                    reply_to=reply_to,
+                    created_at_ms=created,
+                    event=event,
+                    digest=req.digest,
                 )
         # the client shortened the deadline, or dated the request before its record reached the
         # broker: its deadline misses stay out of the degradation controller's miss rate
@@ -217,7 +219,12 @@ class Intake:
             shed = template_at_intake(rt.inference, item)
             if shed is not None:
                 return await rt.publish(
-                    shed, tenant=req.tenant, reply_to=reply_to, created_at_ms=created, event=event
+                    shed,
+                    tenant=req.tenant,
+                    reply_to=reply_to,
+                    created_at_ms=created,
+                    event=event,
+                    digest=req.digest,
                 )
         return await rt.send(rt.topics.work(req.priority), req.user_id, encode(item))
 

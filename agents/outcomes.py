@@ -147,6 +147,7 @@ class ReplyWriter:
                 reply_to=work.reply_to,
                 created_at_ms=work.created_at_ms,
                 event=pending.event,
+                digest=req.digest,
             )
         return await self.rt.error_reply(
             request_id=req.request_id,
@@ -161,4 +162,5 @@ class ReplyWriter:
             timings=timings,
             tenant=req.tenant,
             event=pending.event,
+            digest=req.digest,
         )

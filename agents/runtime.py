@@ -33,6 +33,7 @@ from pipeline.records import (
     DeadLetter,
     ErrorInfo,
     InferenceReply,
+    InferenceRequest,
     Timings,
     deadletter_key,
     encode,
@@ -153,16 +154,18 @@ class Runtime:
         reply_to: str | None,
         created_at_ms: int | None,
         event: EventT | None,
+        digest: str = "",
         record: bool = True,
     ) -> Awaitable[Any]:
         """Record ``reply`` in the reply book (first reply wins), send what was recorded, count it.
 
-        ``record=False`` for replies to records that never became a request (invalid input): those
-        are the same on every read anyway.
+        ``digest``: the request's :attr:`~pipeline.records.InferenceRequest.digest` (part of the
+        book's key). ``record=False`` for replies to records that never became a request (invalid
+        input): those are the same on every read anyway.
         """
         data = encode(reply)
         topic = reply_to or self.topics.replies
-        key = reply_key(tenant, reply.user_id, reply.request_id, topic)
+        key = reply_key(tenant, reply.user_id, reply.request_id, topic, digest)
         if record and self.book is not None:
             data = await self._record(key, data, event)
         priority = reply.priority or "interactive"
@@ -246,21 +249,20 @@ class Runtime:
         log.error("reply of %s sent without being recorded", key)
         return data
 
-    def recorded(self, tenant: str, user_id: str, request_id: str, reply_to: str) -> bytes | None:
-        """The reply already recorded for a request to ``reply_to`` (it was answered before a
-        crash), or None."""
+    def recorded(self, req: InferenceRequest, reply_to: str) -> bytes | None:
+        """The reply already recorded for ``req`` to ``reply_to`` (it was answered before a crash),
+        or None."""
         if self.book is None:
             return None
-        return self.book.get(reply_key(tenant, user_id, request_id, reply_to))
+        return self.book.get(reply_key(req.tenant, req.user_id, req.request_id, reply_to, req.digest))
 
-    async def resend(
-        self, data: bytes, reply_to: str | None, *, tenant: str, user_id: str, request_id: str
-    ) -> Awaitable[Any]:
-        """Send a recorded reply again, byte for byte (once its record is on the broker, when this
-        worker wrote it a moment ago)."""
+    async def resend(self, data: bytes, reply_to: str | None, req: InferenceRequest) -> Awaitable[Any]:
+        """Send ``req``'s recorded reply again, byte for byte (once its record is on the broker, when
+        this worker wrote it a moment ago)."""
         self.metrics.replies_repeated.inc()
         topic = reply_to or self.topics.replies
-        return await self._send_recorded(reply_key(tenant, user_id, request_id, topic), topic, user_id, data)
+        key = reply_key(req.tenant, req.user_id, req.request_id, topic, req.digest)
+        return await self._send_recorded(key, topic, req.user_id, data)
 
     async def error_reply(
         self,
@@ -277,6 +279,7 @@ class Runtime:
         timings: Timings | None = None,
         tenant: str = "default",
         event: EventT | None = None,
+        digest: str = "",
         record: bool = True,
     ) -> Awaitable[Any]:
         """Publish an error reply (see :meth:`publish`)."""
@@ -290,7 +293,13 @@ class Runtime:
             timings=timings or Timings(),
         )
         return await self.publish(
-            reply, tenant=tenant, reply_to=reply_to, created_at_ms=created_at_ms, event=event, record=record
+            reply,
+            tenant=tenant,
+            reply_to=reply_to,
+            created_at_ms=created_at_ms,
+            event=event,
+            digest=digest,
+            record=record,
         )
 
     async def deadletter(self, event: EventT, reason: str, message: str) -> Awaitable[Any]:

@@ -32,7 +32,7 @@ class RateLimitedError(SurgeError):
     def __init__(self, scope: str, key: str, rate_per_s: float, burst: float, retry_after_ms: int) -> None:
         super().__init__(
             f"rate limit exceeded for {scope} {key!r}: {rate_per_s:g} requests/s, burst {burst:g}; "
-            f"retry after {retry_after_ms} ms",
+            f"retry after {retry_after_ms} ms, under a new request_id (this refusal is this one's reply)",
             retry_after_ms=retry_after_ms,
         )
         self.scope = scope

@@ -78,14 +78,17 @@ def cache_key(text: str, scope: str) -> str:
     return exact_key(normalize(text), scope)
 
 
-def reply_key(tenant: str, user_id: str, request_id: str, reply_to: str) -> str:
+def reply_key(tenant: str, user_id: str, request_id: str, reply_to: str, digest: str = "") -> str:
     """Key of a request's recorded reply; the parts are length-prefixed so no two collide.
 
     ``reply_to`` (the resolved topic) is part of it: a recorded reply is re-sent only to the topic it
     was recorded for. Without it, anyone who could write a request naming another client's tenant,
     user and request_id could have that client's recorded answer re-sent to a reply topic of their
-    own (docs/architecture.md, "Tenant isolation"); a redelivered request names the same topic."""
-    parts = (tenant, user_id, request_id, reply_to)
+    own (docs/architecture.md, "Tenant isolation"); a redelivered request names the same topic.
+    ``digest`` (:attr:`pipeline.records.InferenceRequest.digest`, what the request asks) is part of
+    it too: a reply is re-sent only for the same request, never for another question sent under
+    the same id ahead of it; empty for replies that are never recorded (unreadable records)."""
+    parts = (tenant, user_id, request_id, reply_to, digest)
     return "|".join(f"{len(p)}:{p}" for p in parts)
 
 

@@ -8,9 +8,11 @@ that failed validation so that it can still get an error reply.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import re
 import time
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -84,6 +86,28 @@ class InferenceRequest(BaseModel):
         if self.prompt is not None and not self.prompt.strip():
             raise ValueError("prompt must not be empty")
         return self
+
+    @cached_property
+    def digest(self) -> str:
+        """sha256 hex of what the request asks (its conversation, model and generation parameters,
+        ``cache``): part of its reply-book key (:func:`pipeline.keys.reply_key`), so that a reply
+        recorded for one request is re-sent only for the same request. Without it, anyone who could
+        guess a client's request_id could send a question of their own under it first and have
+        their answer re-sent, for an hour, in place of the answer to the client's own question
+        (docs/architecture.md, "Guarantees"). Times, deadlines, class and tier are left out: a
+        client retrying asks the same with a new ``created_at``."""
+        payload = json.dumps(
+            [
+                [[m.role, m.content] for m in self.chat()],
+                self.model,
+                self.max_tokens,
+                self.temperature,
+                self.logprobs,
+                self.cache,
+            ],
+            ensure_ascii=False,
+        )
+        return hashlib.sha256(payload.encode("utf-8", "surrogatepass")).hexdigest()
 
     def chat(self) -> list[Message]:
         """The conversation, with ``prompt`` turned into one user message."""

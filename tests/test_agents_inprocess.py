@@ -56,6 +56,12 @@ INPROCESS_ENV = {
 REPLY_TIMEOUT_S = 30.0
 
 
+def book_key(rec: dict[str, Any], topic: str) -> str:
+    """The reply-book key of the request record ``rec`` answered on ``topic``."""
+    req = InferenceRequest.model_validate(rec)
+    return reply_key(req.tenant, req.user_id, req.request_id, topic, req.digest)
+
+
 @dataclass
 class Running:
     """A deployment served by one in-process worker, and a started client of its replies topic."""
@@ -381,6 +387,30 @@ async def test_a_recorded_reply_is_never_re_sent_to_another_reply_topic(
         assert w.metric("surge_replies_repeated_total") == 1
 
 
+async def test_a_question_sent_ahead_under_a_clients_request_id_never_becomes_its_answer(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    """Whoever can guess a client's next request_id sends a question of their own under it first,
+    to that client's reply topic. The reply book keyed replies by ids and topic only, so the
+    client's own question, sent later, got the planted answer re-sent (and was never answered).
+    Keyed by what the request asks too, it gets its own answer; a real repeat (new times) still
+    gets the recorded reply byte for byte."""
+    async with inprocess(kafka, tmp_path) as w:
+        ids = {"tenant": "bank", "priority": "batch"}
+        planted = request("order-1001", "alice", "How do I close my account?", **ids)
+        (plant,) = await w.replies(await w.client.submit(planted))
+        own = request("order-1001", "alice", "My card was stolen, how do I block it?", **ids)
+        (answer,) = await w.replies(await w.client.submit(own))
+        (repeat,) = await w.replies(await w.client.submit({**own, "created_at": now_ms()}))
+        await w.settled()
+
+        assert plant.answer == "How do I close my account?"
+        assert answer.status == "ok" and answer.answer == own["prompt"], "the planted answer was re-sent"
+        assert repeat == answer, "a retry of the same request gets its recorded reply"
+        assert w.metric("surge_replies_repeated_total") == 1
+        assert await w.count(w.topics.replies) == 3
+
+
 def hold_reply_records(
     w: Running,
     monkeypatch: pytest.MonkeyPatch,
@@ -430,8 +460,10 @@ async def test_a_reply_is_sent_only_once_its_reply_book_record_is_on_the_broker(
         assert warm.status == "ok"
         held: list[asyncio.Future[None]] = []
         release = hold_reply_records(w, monkeypatch, lambda value: True, held)
-        model = await w.client.submit(request("fresh", "carol", "a question nobody asked yet"))
-        cached = await w.client.submit(request("again", "dave", "say it once"))
+        asked = {"r-fresh": request("fresh", "carol", "a question nobody asked yet")}
+        asked["r-again"] = request("again", "dave", "say it once")
+        model = await w.client.submit(asked["r-fresh"])
+        cached = await w.client.submit(asked["r-again"])
         await w.client.producer.flush()
         await asyncio.sleep(2.0)
         assert len(held) >= 2, f"both replies' records are held ({len(held)} held)"
@@ -447,8 +479,8 @@ async def test_a_reply_is_sent_only_once_its_reply_book_record_is_on_the_broker(
             InferenceReply.model_validate_json(r.value).request_id: r.value
             for r in await w.records(w.topics.replies, 3)
         }
-        for user, rid in (("carol", "r-fresh"), ("dave", "r-again")):
-            entry = recorded[reply_key("default", user, rid, w.topics.replies)]
+        for rid in ("r-fresh", "r-again"):
+            entry = recorded[book_key(asked[rid], w.topics.replies)]
             assert entry["reply"].encode() == sent[rid], f"{rid}: the reply sent is not the one recorded"
 
 
@@ -534,7 +566,8 @@ async def test_a_record_whose_acknowledgement_never_comes_is_sent_again(
             return hit
 
         never = hold_reply_records(w, monkeypatch, once)
-        stuck = await w.client.submit(request("stuck", "fay", "a record that gets lost"))
+        stuck_request = request("stuck", "fay", "a record that gets lost")
+        stuck = await w.client.submit(stuck_request)
         behind = await w.client.submit(request("behind", "fay", "the one after it"))
         await w.client.producer.flush()
         replies = await asyncio.wait_for(w.replies(stuck, behind), 30)
@@ -542,9 +575,7 @@ async def test_a_record_whose_acknowledgement_never_comes_is_sent_again(
         assert [r.request_id for r in replies] == ["r-stuck", "r-behind"]
         topic = f"{w.deployment.settings.app_id}-replybook-changelog"
         keys = [json.loads(r.key) for r in await w.records(topic, 3)]
-        assert reply_key("default", "fay", "r-stuck", w.topics.replies) in keys, (
-            "the reply went out without its record"
-        )
+        assert book_key(stuck_request, w.topics.replies) in keys, "the reply went out without its record"
         never.set()  # the held first acknowledgement: let its task end
 
 
@@ -572,7 +603,8 @@ async def test_a_record_is_sent_again_while_the_producer_lacks_the_changelogs_me
             return hit
 
         never = hold_reply_records(w, monkeypatch, once)
-        lost = await w.client.submit(request("lost", "gil", "a record sent twice"))
+        lost_request = request("lost", "gil", "a record sent twice")
+        lost = await w.client.submit(lost_request)
         await w.client.producer.flush()
         (reply,) = await asyncio.wait_for(w.replies(lost), 30)
         assert reply.request_id == "r-lost" and reply.status == "ok"
@@ -580,7 +612,7 @@ async def test_a_record_is_sent_again_while_the_producer_lacks_the_changelogs_me
         writes = [
             r.partition
             for r in await w.records(topic, 3)
-            if json.loads(r.key) == reply_key("default", "gil", "r-lost", w.topics.replies)
+            if json.loads(r.key) == book_key(lost_request, w.topics.replies)
         ]
         assert len(writes) >= 1 and len(set(writes)) == 1, writes
         never.set()

@@ -27,6 +27,42 @@ def test_first_reply_wins_and_repeats_are_identical() -> None:
     assert book.get(key) is None  # expired: forgotten
 
 
+def test_a_requests_digest_is_what_it_asks_not_when_or_how_urgently() -> None:
+    """The digest keys the reply book with the ids: another question (or model, parameters, role,
+    conversation) under the same request_id is another request; the same one retried with new
+    times, deadline, class or tier is the same."""
+    base = {"request_id": "r1", "user_id": "u1", "prompt": "How do I block my card?"}
+    digest = InferenceRequest.model_validate(base).digest
+    same = [
+        {**base, "created_at": 5, "deadline_ms": 900, "priority": "realtime", "tier": "free"},
+        {**base, "reply_to": "other.replies", "tenant": "acme", "request_id": "r2"},
+        {
+            **{k: v for k, v in base.items() if k != "prompt"},
+            "messages": [{"role": "user", "content": base["prompt"]}],
+        },
+    ]
+    for rec in same:
+        assert InferenceRequest.model_validate(rec).digest == digest, rec
+    other = [
+        {**base, "prompt": "How do I close my account?"},
+        {**base, "prompt": "How do I block my card? "},
+        {**base, "max_tokens": 7},
+        {**base, "temperature": 0.5},
+        {**base, "logprobs": True},
+        {**base, "cache": False},
+        {**base, "model": "other"},
+        {
+            **{k: v for k, v in base.items() if k != "prompt"},
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": base["prompt"]},
+            ],
+        },
+    ]
+    digests = {InferenceRequest.model_validate(rec).digest for rec in other}
+    assert len(digests) == len(other) and digest not in digests
+
+
 def test_reply_keys_never_collide_across_tenants_users_or_reply_topics() -> None:
     keys = {
         reply_key("a", "u", "1", "t"),
@@ -38,8 +74,12 @@ def test_reply_keys_never_collide_across_tenants_users_or_reply_topics() -> None
         # not recorded for
         reply_key("a", "u", "1", "t2"),
         reply_key("a", "u", "1|1:t", ""),
+        # the same ids asking something else: never the recorded reply of the first
+        reply_key("a", "u", "1", "t", "d1"),
+        reply_key("a", "u", "1", "t", "d2"),
+        reply_key("a", "u", "1", "t|2:d1", ""),
     }
-    assert len(keys) == 7
+    assert len(keys) == 10
     assert source_key("t", 1, 2) != source_key("t", 12, 2)
 
 
