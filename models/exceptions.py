@@ -9,6 +9,7 @@ from __future__ import annotations
 from pipeline.exceptions import ModelError, PartialBatchError, TransientModelError
 
 __all__ = [
+    "FAQDataError",
     "ModelError",
     "ModelLoadError",
     "ModelOutOfMemoryError",
@@ -27,3 +28,13 @@ class ModelOutOfMemoryError(ModelError):
 
 class ModelLoadError(ModelError):
     """A model folder or endpoint could not be loaded."""
+
+
+class FAQDataError(ModelError):
+    """A ``text,category`` file the FAQ trainer or its evaluation cannot use: missing, not UTF-8,
+    without those columns, or too small to train on (the path and what is wrong are in the message).
+    Raised before a model is loaded or a weight written."""
+
+    def __init__(self, path: object, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path

@@ -82,6 +82,7 @@ def build_faq(settings: Settings) -> ModelBackend:
     from models.faq import FAQAnswerer
 
     return FAQAnswerer(
+        settings.faq_data_dir,
         confidence_floor=settings.faq_confidence_floor,
         template_floor=settings.faq_template_confidence_floor,
     )

@@ -164,9 +164,18 @@ def cmd_faq(args: argparse.Namespace) -> int:
     from models import faq_train
 
     if args.action == "train":
-        report = faq_train.train(args.data)
+        if args.out_dir is None:  # the shipped weights are replaced only when their folder is named
+            print(
+                "surge faq train: --out-dir is required: the weights go there, and a worker reads them "
+                "with SURGE_FAQ_DATA_DIR",
+                file=sys.stderr,
+            )
+            return 2
+        report = faq_train.train(args.data, args.out_dir)
     else:
-        report = faq_train.evaluate(args.data)
+        from models.faq import FAQAnswerer
+
+        report = faq_train.evaluate(args.data, FAQAnswerer(args.model_dir or _settings().faq_data_dir))
     print(json.dumps(report, indent=2, default=str))
     return 0
 
@@ -259,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("faq", help="train or evaluate the FAQ answerer")
     f.add_argument("action", choices=["train", "eval"])
     f.add_argument("--data", required=True, help="CSV with text,category")
+    f.add_argument("--out-dir", default=None, help="train: the folder to write the weights into (required)")
+    f.add_argument(
+        "--model-dir",
+        default=None,
+        help="eval: the weights to evaluate (default: SURGE_FAQ_DATA_DIR, else shipped)",
+    )
     f.set_defaults(fn=cmd_faq)
 
     dd = sub.add_parser("dedup", help="evaluate semantic dedup on sentence pairs, or train its decision")

@@ -253,6 +253,10 @@ class Settings(BaseSettings):
         lt=1,
         description="the same for the level-3 template's n-gram layer, whose probabilities are flatter",
     )
+    faq_data_dir: str | None = Field(
+        None,
+        description="folder of retrained FAQ weights (surge faq train --out-dir); default: the shipped ones",
+    )
 
     # --- scheduling ------------------------------------------------------------------------------------
     deadline_realtime_ms: int = Field(

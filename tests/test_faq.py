@@ -303,3 +303,70 @@ def test_the_lexical_layer_gathers_what_the_sparse_product_computes() -> None:
     assert got.shape == expected.shape
     np.testing.assert_allclose(got, expected, atol=1e-5)
     assert [model.lexical_probabilities([t])[0].argmax() for t in texts] == list(expected.argmax(axis=1))
+
+
+# ---- training and evaluation input ----------------------------------------------------------------
+class _NeverEmbeds:
+    """An embedder that fails the test if training got as far as embedding."""
+
+    def embed(self, texts: object) -> np.ndarray:
+        raise AssertionError("the file was read as valid and embedded")
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (None, "cannot be read"),
+        (b"question,label\nhi,greet\n", "needs the columns text,category"),
+        ("text,category\ncaf\u00e9 card,card\n".encode("latin-1"), "is not UTF-8"),
+        (b"text,category\n", "holds no rows"),
+        (b"text,category\nhello,\n", "line 2: empty text or category"),
+        (b"text,category\n" + b"".join(b"q %d,only_one\n" % i for i in range(40)), "1 intents"),
+        (
+            b"text,category\n"
+            + b"".join(b"q %d,big\n" % i for i in range(40))
+            + b"".join(b"r %d,tiny\n" % i for i in range(3)),
+            "too few: tiny",
+        ),
+    ],
+)
+def test_training_refuses_a_file_it_cannot_learn_from_before_it_embeds(
+    tmp_path: Path, content: bytes | None, problem: str
+) -> None:
+    """A 12-row file once trained, reported 1.0 accuracy on its two held-out rows and wrote weights
+    whose accuracy on real questions fell from 0.99 to 0.29; bad files failed with tracebacks
+    after the embedder loaded."""
+    from models.exceptions import FAQDataError
+    from models.faq_train import train
+
+    path = tmp_path / "rows.csv"
+    if content is not None:
+        path.write_bytes(content)
+    out = tmp_path / "weights"
+    with pytest.raises(FAQDataError, match=re.escape(problem)):
+        train(path, out, embedder=_NeverEmbeds())  # type: ignore[arg-type]
+    assert not out.exists(), "nothing is written for a file that was refused"
+
+
+def test_surge_faq_train_never_writes_the_shipped_weights_unless_told_to(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``surge faq train`` wrote into the package's own folder, which every worker loads."""
+    from pipeline.cli import main
+
+    before = {p.name: p.stat().st_mtime_ns for p in DATA_DIR.iterdir()}
+    rows = tmp_path / "rows.csv"
+    rows.write_text("text,category\n" + "".join(f"q {i},c{i % 2}\n" for i in range(40)), encoding="utf-8")
+    assert main(["faq", "train", "--data", str(rows)]) == 2
+    assert "--out-dir is required" in capsys.readouterr().err
+    assert main(["faq", "eval", "--data", str(tmp_path / "missing.csv")]) == 2
+    assert "missing.csv: cannot be read" in capsys.readouterr().err
+    assert {p.name: p.stat().st_mtime_ns for p in DATA_DIR.iterdir()} == before
+
+
+def test_workers_load_the_faq_weights_settings_name(tmp_path: Path) -> None:
+    from models.registry import build_faq
+    from pipeline.settings import Settings
+
+    assert build_faq(Settings.load(faq_data_dir=str(tmp_path))).data_dir == tmp_path  # type: ignore[attr-defined]
+    assert build_faq(Settings.load()).data_dir == DATA_DIR  # type: ignore[attr-defined]
