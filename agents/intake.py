@@ -91,11 +91,13 @@ class Intake:
         except InvalidRequestError as exc:
             rt.acker.ack_after([ticket], await reject(rt, event, exc.code, exc.message, exc.message))
             return
-        if msg.key is None:
-            # a record without a key lands on any partition, but its user's rate-limit bucket lives on
-            # the partition the user id hashes to (and a user's requests keep their order there): it
-            # is sent on, keyed by its user_id, and handled when it comes back on that partition
-            # (docs/architecture.md, "Security")
+        if msg.key is None or msg.partition != await rt.home_partition(msg.topic, msg.key):
+            # a record without a key lands on any partition, and a keyed one on whichever its
+            # producer chose, but its user's rate-limit bucket lives on the partition the user id
+            # hashes to (and a user's requests keep their order there): it is sent on, keyed by its
+            # user_id, and handled when it comes back on that partition. Served where they landed,
+            # one user's records sprayed over N partitions met N buckets (docs/architecture.md,
+            # "Security")
             assert msg.value is not None  # decode_request refused an empty record
             rt.acker.ack_after([ticket], [await rt.send(rt.topics.requests, req.user_id, msg.value)])
             return

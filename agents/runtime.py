@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import faust
+from aiokafka.partitioner import DefaultPartitioner
 from faust.types import EventT
 
 from agents.acks import Acker
@@ -70,6 +71,7 @@ SEND_ATTEMPTS = 4
 RECORD_ACK_TIMEOUT_S = 10.0
 
 log = logging.getLogger("surge.agents")
+_PARTITIONER = DefaultPartitioner()
 
 
 @dataclass
@@ -138,6 +140,12 @@ class Runtime:
             )
             self._topics[name] = t
         return t
+
+    async def home_partition(self, topic: str, key: bytes) -> int:
+        """The partition of ``topic`` that records keyed ``key`` belong on: the one this worker's
+        producer sends them to (murmur2, as aiokafka's and the Java client's default partitioners)."""
+        parts = sorted(await producer_partitions_for(self.app.producer, topic))
+        return int(_PARTITIONER(key, parts, parts))
 
     async def send(self, topic: str, key: str | bytes | None, value: bytes) -> Awaitable[Any]:
         """Enqueue one record; returns an awaitable that resolves when the broker has acked it,

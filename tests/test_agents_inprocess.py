@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.partitioner import DefaultPartitioner
 from confluent_kafka import Producer
 from faust.types.tuples import FutureMessage
 
@@ -769,6 +770,37 @@ async def test_a_users_requests_without_a_key_share_one_bucket_whatever_their_pa
         assert await w.count(w.topics.replies) == 3, "one reply per request"
         sent_on = [r for r in await w.records(w.topics.requests, 6) if r.key == b"spreader"]
         assert len(sent_on) == 3, "each unkeyed record sent on once, keyed by its user"
+
+
+async def test_a_users_keyed_requests_sprayed_over_partitions_share_one_bucket(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    """A producer that picks the partition itself (or partitions by crc32, librdkafka's default)
+    writes one user's keyed records to three partitions. Served where they landed, each met a
+    bucket of its own (40 of 40 admitted against a burst of 10 in the review); sent on to the
+    user's own partition, the third of three meets the bucket the first two emptied (burst 2)."""
+    producer = Producer({"bootstrap.servers": kafka.bootstrap})
+    async with inprocess(
+        kafka, tmp_path, rate_limit_enabled="true", user_burst_free="2", user_rate_per_s_free="0.001"
+    ) as w:
+        n = w.deployment.settings.partitions
+        home = DefaultPartitioner()(b"sprayer", list(range(n)), list(range(n)))
+        others = [p for p in range(n) if p != home][:2]
+        futures = [w.client.expect(f"r-spray-{p}") for p in (home, *others)]
+        for p in (home, *others):
+            raw = json.dumps(request(f"spray-{p}", "sprayer", f"question {p}", tier="free")).encode()
+            producer.produce(w.topics.requests, key=b"sprayer", value=raw, partition=p)
+        assert producer.flush(10) == 0
+        replies = list(await asyncio.wait_for(asyncio.gather(*futures), REPLY_TIMEOUT_S))
+        await w.settled()
+
+        assert sorted(r.status for r in replies) == ["error", "ok", "ok"], replies
+        refused = next(r for r in replies if r.status == "error")
+        assert refused.error is not None and refused.error.code == "rate_limited"
+        assert await w.count(w.topics.replies) == 3, "one reply per request"
+        records = [r for r in await w.records(w.topics.requests, 6) if r.key == b"sprayer"]
+        assert len(records) == 5, "the two records off the user's partition sent on once each"
+        assert sum(r.partition == home for r in records) == 3
 
 
 @pytest.mark.parametrize("codec", ["lz4", "snappy", "zstd", "gzip"])
