@@ -25,7 +25,7 @@ from agents.acks import Acker
 from agents.durable_table import DurableTable
 from agents.offset_oracle import OffsetOracle
 from agents.reply_order import ReplySequencer, task_is_cancelling
-from pipeline.compat import as_current_event, producer_partitions_for, topic_exists
+from pipeline.compat import as_current_event, producer_knows_topic, producer_partitions_for, topic_exists
 from pipeline.exceptions import InvalidRequestError
 from pipeline.intake_backlog import IntakeBacklog
 from pipeline.keys import reply_key
@@ -41,7 +41,7 @@ from pipeline.records import (
     now_ms,
 )
 from pipeline.replybook import ReplyBook
-from pipeline.replyto import KnownTopics, ReplyToPolicy
+from pipeline.replyto import PROBE_TIMEOUT_S, KnownTopics, ReplyToPolicy
 from pipeline.settings import Settings
 from pipeline.topics import TopicNames
 
@@ -147,12 +147,15 @@ class Runtime:
         parts = sorted(await producer_partitions_for(self.app.producer, topic))
         return int(_PARTITIONER(key, parts, parts))
 
-    async def send(self, topic: str, key: str | bytes | None, value: bytes) -> Awaitable[Any]:
+    async def send(
+        self, topic: str, key: str | bytes | None, value: bytes, *, reply: bool = False
+    ) -> Awaitable[Any]:
         """Enqueue one record; returns an awaitable that resolves when the broker has acked it,
-        sending again (up to ``SEND_ATTEMPTS`` times, with backoff) when the broker refused it."""
+        sending again (up to ``SEND_ATTEMPTS`` times, with backoff) when the broker refused it.
+        ``reply``: a reply to a client's own topic, dead-lettered if that topic is gone."""
         k = key.encode() if isinstance(key, str) else key
         fut = await self.topic(topic).send(key=k, value=value)
-        return _Delivery(self, topic, k, value, fut)
+        return _Delivery(self, topic, k, value, fut, reply)
 
     async def publish(
         self,
@@ -194,9 +197,42 @@ class Runtime:
         ack = self.book_table.durable(key) if self.book_table is not None else None
 
         async def send() -> Awaitable[Any]:
-            return await self.send(topic, user_id, data)
+            if not await self.reply_topic_present(topic):
+                return await self.undeliverable(topic, user_id, data)
+            return await self.send(topic, user_id, data, reply=topic != self.topics.replies)
 
         return await self.replies_in_order.submit(key, ack, send)
+
+    async def reply_topic_present(self, topic: str, *, ask_broker: bool = False) -> bool:
+        """Whether a reply can go to ``topic``: the default replies topic always; a client's when
+        the producer holds its metadata (unless ``ask_broker``) or the broker says it exists, asked
+        with a request that cannot create it. Called as each reply is handed to the producer: a
+        client's topic deleted after intake checked it made the producer wait for its metadata
+        (its request timeout, 30 s) while every reply queued behind it waited too, and then the
+        worker stopped; on a broker that creates topics, the reply created it again
+        (docs/architecture.md, "Tenant isolation"). A broker that does not answer in time counts
+        as "present": the reply is sent as before."""
+        if topic == self.topics.replies:
+            return True
+        if not ask_broker and producer_knows_topic(self.app.producer, topic):
+            return True
+        try:
+            return await asyncio.wait_for(topic_exists(self.app.producer, topic), PROBE_TIMEOUT_S)
+        except Exception:
+            return True
+
+    async def undeliverable(self, topic: str, key: str | bytes | None, data: bytes) -> Awaitable[Any]:
+        """A reply whose topic is gone: written to the dead-letter topic (reason
+        ``reply_topic_missing``, the reply as its raw record) in place of the reply, so its request
+        is acked and nothing waits for a topic that will not come back."""
+        k = key.encode() if isinstance(key, str) else key
+        reason = "reply_topic_missing"
+        dl = DeadLetter.of(
+            topic, -1, -1, reason, f"reply topic {topic!r} no longer exists", k, data, DEADLETTER_RAW_BYTES
+        )
+        self.metrics.deadletter.labels(reason=reason).inc()
+        log.warning("reply to %s dead-lettered: the topic no longer exists", topic)
+        return await self.send(self.topics.deadletter, None if k is None else deadletter_key(k), encode(dl))
 
     async def _recorded_durably(self, key: str, ack: Awaitable[Any]) -> None:
         """Wait for a reply's record to be acknowledged, sending it again when its send failed or
@@ -335,10 +371,13 @@ class Runtime:
 class _Delivery:
     """The broker's acknowledgement of one record, re-sent on failure (awaitable, no task)."""
 
-    __slots__ = ("fut", "key", "rt", "topic", "value")
+    __slots__ = ("fut", "key", "reply", "rt", "topic", "value")
 
-    def __init__(self, rt: Runtime, topic: str, key: bytes | None, value: bytes, fut: Awaitable[Any]) -> None:
+    def __init__(
+        self, rt: Runtime, topic: str, key: bytes | None, value: bytes, fut: Awaitable[Any], reply: bool
+    ) -> None:
         self.rt, self.topic, self.key, self.value, self.fut = rt, topic, key, value, fut
+        self.reply = reply
 
     def __await__(self) -> Any:
         return self._wait().__await__()
@@ -352,6 +391,10 @@ class _Delivery:
             try:
                 return await self.fut
             except Exception as exc:
+                # a client's reply topic deleted after the producer learnt of it: the reply goes to
+                # the dead-letter topic rather than failing the worker
+                if self.reply and not await self.rt.reply_topic_present(self.topic, ask_broker=True):
+                    return await (await self.rt.undeliverable(self.topic, self.key, self.value))
                 if attempt == SEND_ATTEMPTS:
                     raise
                 log.warning(

@@ -50,6 +50,18 @@ async def producer_partitions_for(producer: ProducerT, topic: str) -> set[int]:
     return set(await kafka_producer(producer).partitions_for(topic))
 
 
+def producer_knows_topic(producer: ProducerT, topic: str) -> bool:
+    """Whether Faust's producer holds metadata of ``topic`` (its partitions), so that a send there
+    does not first wait for the broker to describe it.
+
+    Why: a send to a topic the producer has no metadata of waits for that metadata (up to its
+    request timeout when the topic is gone), holding every reply queued behind it; the reply path
+    asks the broker first instead (``agents.runtime.Runtime.reply_topic_present``). Private:
+    ``AIOKafkaProducer.client.cluster``.
+    """
+    return kafka_producer(producer).client.cluster.partitions_for_topic(topic) is not None
+
+
 async def topic_exists(producer: ProducerT, topic: str) -> bool:
     """Whether ``topic`` exists, asked of the broker with a metadata request that does not create it.
 

@@ -346,6 +346,38 @@ async def test_a_reply_topic_that_does_not_exist_is_refused_and_never_created(
         assert w.rt.reply_topics.probes == len(made_up) + 1  # one question per name
 
 
+async def test_a_reply_topic_deleted_after_intake_gets_a_dead_letter_not_a_stalled_worker(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    """A client names its own reply topic, then deletes it while its request waits for the model.
+    The producer waited for the gone topic's metadata, holding every reply queued behind it, and
+    then stopped the worker (on a broker that creates no topics); on this one, which creates them,
+    the reply created the topic again. Now the reply goes to the dead-letter topic, the request is
+    acked, and the next user's reply comes as usual."""
+    async with inprocess(kafka, tmp_path, reply_suffixes=("gone",), echo_delay_ms="1500") as w:
+        gone = f"{w.topics.replies}.gone"
+        doomed = await w.client.submit(
+            request("doomed", "mallory", "reply to a topic I delete", reply_to=gone)
+        )
+        await w.client.producer.flush()
+        admin = AIOKafkaAdminClient(bootstrap_servers=w.deployment.bootstrap)
+        await admin.start()
+        try:
+            await asyncio.sleep(0.5)  # intake has checked the topic; the model is busy with it
+            await admin.delete_topics([gone])
+            (after,) = await w.replies(await w.client.submit(request("after", "alice", "my own question")))
+            await w.settled()
+            assert after.status == "ok" and after.answer == "my own question"
+            assert gone not in await admin.list_topics(), "a reply created the deleted topic again"
+        finally:
+            await admin.close()
+        assert not doomed.done(), "the reply reached no topic the client could read"
+        letters = [DeadLetter.model_validate_json(r.value) for r in await w.records(w.topics.deadletter, 1)]
+        assert [(d.source_topic, d.reason) for d in letters] == [(gone, "reply_topic_missing")]
+        assert b"reply to a topic I delete" in base64.b64decode(letters[0].raw_b64)
+        assert w.metric("surge_deadletter_total", reason="reply_topic_missing") == 1
+
+
 async def test_a_redelivered_request_gets_the_recorded_reply_byte_for_byte(
     kafka: EmbeddedKafka, tmp_path: Path
 ) -> None:
