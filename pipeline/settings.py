@@ -17,6 +17,7 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsError as EnvParseError
 
 from pipeline import degrade, ratelimit, scheduler
 from pipeline.exceptions import SettingsError
@@ -277,7 +278,8 @@ class Settings(BaseSettings):
         "traffic, docs/architecture.md 'Replay')",
     )
     deadline_policy_batch: Literal["reject", "delay"] = Field(
-        "reject", description="what happens to an expired batch item: reject or move to offline"
+        "reject",
+        description="what happens to an expired batch item: 'reject' (a deadline_exceeded reply) or 'delay' (moved to the offline class)",
     )
     queue_limit_per_class: int = Field(
         scheduler.DEFAULT_QUEUE_LIMIT, ge=1, description="in-memory queue bound of each class"
@@ -644,6 +646,23 @@ class Settings(BaseSettings):
                 raise ValueError(
                     f"degrade_down_{name}={list(down)} must be below degrade_up_{name}={list(up)}"
                 )
+        if any(not 0 <= r <= 1 for r in (*self.degrade_up_miss_rate, *self.degrade_down_miss_rate)):
+            raise ValueError(
+                f"degrade_up_miss_rate={list(self.degrade_up_miss_rate)} and degrade_down_miss_rate="
+                f"{list(self.degrade_down_miss_rate)} are shares of requests: each must be in [0, 1]"
+            )
+        self._check_degrade_thresholds()
+        if self.max_content_bytes > self.max_record_bytes:
+            raise ValueError(
+                f"max_content_bytes={self.max_content_bytes} must not exceed "
+                f"max_record_bytes={self.max_record_bytes} (the content is part of the record)"
+            )
+        try:
+            re.compile(self.reply_topic_pattern)
+        except re.error as exc:
+            raise ValueError(
+                f"reply_topic_pattern={self.reply_topic_pattern!r} is not a regular expression: {exc}"
+            ) from None
         if self.model == "hf" and not self.model_path:
             raise ValueError(f"model={self.model!r} needs model_path (SURGE_MODEL_PATH), got None")
         if self.model == "remote" and not self.remote_base_url:
@@ -671,6 +690,17 @@ class Settings(BaseSettings):
             )
         self._check_security()
         return self
+
+    def _check_degrade_thresholds(self) -> None:
+        """The degradation controller's own checks (thresholds increase with the level), at load:
+        a worker refused them only when it built the controller, naming no setting."""
+        from pipeline.exceptions import SurgeError
+        from pipeline.inference_config import degrade_config
+
+        try:
+            degrade_config(self)
+        except SurgeError as exc:
+            raise ValueError(f"degrade_{exc}") from None
 
     def _check_escalation_reply_topic(self) -> None:
         """The request path must reply on the escalation reply topic; a name its reply_to policy
@@ -719,6 +749,10 @@ class Settings(BaseSettings):
         """Build settings from the environment plus ``overrides`` (CLI flags); typed error on failure."""
         try:
             return cls(**overrides)  # type: ignore[arg-type]
+        except EnvParseError as exc:  # a SURGE_* value that is not JSON where a list is expected
+            raise SettingsError(
+                f"invalid settings: {exc} (a list is given as JSON, e.g. [1, 2, 3])"
+            ) from None
         except ValidationError as exc:
             # without the inputs of secrets (API keys, passwords), which pydantic would print
             details = []

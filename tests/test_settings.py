@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -242,3 +243,27 @@ def test_escalation_needs_a_key_and_the_risk_role_is_a_group_of_its_own() -> Non
     # "Risk: the chain"): Faust's assignor hands every member the leader's global tables
     assert Settings.load(role="risk").group_id == "surge-risk"
     assert {Settings.load(role=r).group_id for r in ("all", "intake", "inference")} == {"surge"}
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        # each loaded, and failed later: at the worker's start with a traceback naming no setting,
+        # in every command, or never (a miss rate of 2 is never reached)
+        ({"SURGE_REPLY_TOPIC_PATTERN": "surge.replies(["}, "reply_topic_pattern"),
+        ({"SURGE_DEGRADE_UP_QUEUE_DEPTH": "64,128,256"}, "degrade_up_queue_depth"),
+        (
+            {"SURGE_DEGRADE_UP_QUEUE_DEPTH": "[256,128,64]", "SURGE_DEGRADE_DOWN_QUEUE_DEPTH": "[16,8,4]"},
+            "degrade_up_queue_depth thresholds must increase",
+        ),
+        ({"SURGE_DEGRADE_UP_MISS_RATE": "[2,5,9]"}, "degrade_up_miss_rate"),
+        ({"SURGE_MAX_CONTENT_BYTES": str(2 << 20)}, "max_content_bytes"),
+    ],
+)
+def test_settings_a_worker_could_not_use_are_refused_at_load_naming_them(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], named: str
+) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SettingsError, match=re.escape(named)):
+        Settings.load()
