@@ -91,26 +91,42 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 # ---- send / tail --------------------------------------------------------------------------------
+def _positive_seconds(text: str) -> float:
+    """An argparse type: a number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text}")
+    return value
+
+
 def cmd_send(args: argparse.Namespace) -> int:
     import uuid
 
     from pipeline.client import SurgeClient
     from pipeline.kafka_security import client_options
+    from pipeline.records import decode_request
     from pipeline.topics import TopicNames
 
     s = _settings()
     t = TopicNames(s.topic_prefix)
+    req = {
+        "request_id": args.request_id or uuid.uuid4().hex,
+        "user_id": args.user,
+        "tenant": args.tenant,
+        "tier": args.tier,
+        "priority": args.priority,
+        "prompt": args.prompt,
+        "max_tokens": args.max_tokens,
+    }
+    # checked as a worker checks it (InvalidRequestError, exit 2), so a request a worker would only
+    # dead-letter (an empty user id: no reply to wait for) is refused here, not waited on
+    raw = json.dumps(req, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    decode_request(raw, None, max_record_bytes=s.max_record_bytes, max_content_bytes=s.max_content_bytes)
 
     async def main() -> int:
-        req = {
-            "request_id": args.request_id or uuid.uuid4().hex,
-            "user_id": args.user,
-            "tenant": args.tenant,
-            "tier": args.tier,
-            "priority": args.priority,
-            "prompt": args.prompt,
-            "max_tokens": args.max_tokens,
-        }
         async with SurgeClient(
             s.bootstrap_servers, requests_topic=t.requests, reply_topic=t.replies, security=client_options(s)
         ) as c:
@@ -118,7 +134,18 @@ def cmd_send(args: argparse.Namespace) -> int:
         print(reply.model_dump_json(exclude_none=True, indent=2))
         return 0 if reply.status == "ok" else 2
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    except TimeoutError:
+        print(
+            f"surge send: no reply to request {req['request_id']} within {args.timeout_s:g} s; it was "
+            "sent and may still be answered (surge tail shows replies as they come)",
+            file=sys.stderr,
+        )
+        return 1
+    except KeyboardInterrupt:
+        print(f"surge send: interrupted; request {req['request_id']} may have been sent", file=sys.stderr)
+        return 130
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
@@ -249,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--priority", default=Priority.INTERACTIVE.value, choices=PRIORITIES)
     s.add_argument("--max-tokens", type=int, default=256)
     s.add_argument("--request-id", default=None)
-    s.add_argument("--timeout-s", type=float, default=30.0)
+    s.add_argument("--timeout-s", type=_positive_seconds, default=30.0, help="how long to wait for the reply")
     s.set_defaults(fn=cmd_send)
 
     t = sub.add_parser("tail", help="print replies as they arrive")

@@ -19,8 +19,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, Generic, Self, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
 
 from pipeline.compat import refresh_metadata, track_sent_topics
+from pipeline.exceptions import BrokerError, TopicMissingError
 from pipeline.records import InferenceReply, now_ms
 
 log = logging.getLogger("surge.client")
@@ -56,6 +58,18 @@ class TopicReader:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        """Start reading; :class:`BrokerError` when the cluster cannot be reached or the topic does
+        not exist (with what was started stopped again: no client is left open behind the error)."""
+        try:
+            await self._start()
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                await self.stop()
+            if isinstance(exc, KafkaError):
+                raise BrokerError(f"cannot reach Kafka: {exc}") from exc
+            raise
+
+    async def _start(self) -> None:
         await self.consumer.start()
         parts = await partitions_of(self.consumer, self.topic, tries=100)
         if not parts:
@@ -85,7 +99,7 @@ class TopicReader:
         await self.stop()
 
     def _missing_topic(self) -> Exception:
-        return RuntimeError(f"{self.topic_kind} {self.topic!r} does not exist")
+        return TopicMissingError(self.topic_kind, self.topic)
 
     async def _read(self) -> None:
         """Read the assigned partitions until cancelled."""
@@ -110,13 +124,15 @@ class ReplyClient(TopicReader, Generic[A]):
         self.producer = producer
         self._waiting: dict[str, asyncio.Future[A]] = {}
 
-    async def start(self) -> None:
+    async def _start(self) -> None:
         await self.producer.start()
-        await super().start()
+        await super()._start()
 
     async def stop(self) -> None:
-        await super().stop()
-        await self.producer.stop()
+        try:
+            await super().stop()
+        finally:
+            await self.producer.stop()
 
     def expect(self, key: str) -> asyncio.Future[A]:
         """A future for the answer to ``key`` (call before sending)."""

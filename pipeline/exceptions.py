@@ -78,6 +78,17 @@ class BrokerError(SurgeError):
     """The embedded broker could not be resolved, started or reached."""
 
 
+class TopicMissingError(BrokerError):
+    """A client was asked to read a topic the cluster does not have (a worker creates surge's own
+    topics when it starts)."""
+
+    def __init__(self, kind: str, topic: str) -> None:
+        super().__init__(
+            f"{kind} {topic!r} does not exist on the cluster (a surge worker creates its topics when it starts)"
+        )
+        self.topic = topic
+
+
 class ApiKeyConfigError(SettingsError):
     """``SURGE_API_KEYS`` does not parse; names the entry by position, never the key."""
 

@@ -243,3 +243,43 @@ def test_risk_demo_escalation_flags_make_valid_settings_for_both_workers(
     assert risk.risk_escalation_wait_max_ms == 850
     requests = Settings.load(role="all", model="remote", remote_base_url="http://llm:8000/v1")
     assert requests.risk_escalation_replies == risk.risk_escalation_replies
+
+
+# ---- surge send / tail as a user meets them ------------------------------------------------------
+def test_send_refuses_a_request_a_worker_would_only_dead_letter_before_connecting(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An empty user id got no reply at all (the worker dead-letters a record without ids), so
+    ``surge send`` waited its whole timeout and ended in a TimeoutError traceback."""
+    monkeypatch.setenv("SURGE_BROKER", "kafka://127.0.0.1:1")  # never reached: refused before
+    assert cli.main(["send", "hello", "--user", ""]) == 2
+    err = capsys.readouterr().err
+    assert "InvalidRequestError" in err and "user_id" in err and "Traceback" not in err
+
+
+def test_send_wants_a_timeout_above_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("0", "-1", "nan", "soon"):
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args(["send", "hi", "--timeout-s", bad])
+        assert exc.value.code == 2
+        assert "--timeout-s" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["send", "hello"], ["tail"]])
+def test_send_and_tail_say_in_one_line_that_the_broker_cannot_be_reached(
+    command: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both printed a KafkaConnectionError traceback, then warnings about clients left open."""
+    monkeypatch.setenv("SURGE_BROKER", f"kafka://127.0.0.1:{_closed_port()}")
+    assert cli.main(command) == 2
+    err = capsys.readouterr().err
+    assert "BrokerError: cannot reach Kafka" in err and "Traceback" not in err
+    assert "Unclosed" not in err
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
