@@ -251,8 +251,16 @@ class HFCausalLM(ModelBackend):
         return self._tokenizer
 
     def peek_version(self) -> str:
-        """``name@sha8`` as :meth:`load` will set it, from the files alone."""
-        return f"{self.name}@{_config_sha8(self.path)}"
+        """``name@sha8`` as :meth:`load` will set it, from the files alone; :class:`ModelLoadError`
+        when the folder holds no readable ``config.json`` (a traceback from the worker's start
+        before, after it had created its topics)."""
+        try:
+            return f"{self.name}@{_config_sha8(self.path)}"
+        except OSError as exc:
+            raise ModelLoadError(
+                f"{self.path}: not a Hugging Face model folder (SURGE_MODEL_PATH): "
+                f"{exc.strerror or exc} reading {Path(exc.filename or self.path).name}"
+            ) from exc
 
     def close(self) -> None:
         """Drop the weights. Called once at worker shutdown."""

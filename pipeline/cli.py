@@ -62,6 +62,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from pipeline.admin import ensure_topics
 
     s = _settings(role=args.role, web_port=args.web_port)
+    if s.model == "hf" and s.role != "risk":
+        from models.registry import build_model
+
+        # a folder that holds no model: ModelLoadError (exit 2) before any topic is created
+        build_model(s).peek_version()
     install_event_loop(s)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     asyncio.run(ensure_topics(s))

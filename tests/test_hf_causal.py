@@ -232,3 +232,23 @@ def test_out_of_memory_frees_the_failed_calls_tensors_before_the_halves_run(
     with pytest.raises(ModelOutOfMemoryError) as info:
         model.infer([ask(p, max_tokens=3) for p in PROMPTS[:2]])
     assert info.value.batch_size == 2 and info.value.__cause__ is None and info.value.__context__ is None
+
+
+def test_a_folder_that_holds_no_model_stops_the_worker_in_one_line_before_topics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``SURGE_MODEL=hf`` with a missing folder, or one of another kind, ended the worker's start
+    in a FileNotFoundError traceback, after it had created its topics."""
+    from pipeline import cli
+
+    (tmp_path / "not-a-model").mkdir()
+    (tmp_path / "not-a-model" / "faq_weights.npz").write_bytes(b"x")
+    monkeypatch.setenv("SURGE_BROKER", "kafka://127.0.0.1:1")  # never reached: refused before
+    monkeypatch.setenv("SURGE_MODEL", "hf")
+    for folder in (tmp_path / "missing", tmp_path / "not-a-model"):
+        monkeypatch.setenv("SURGE_MODEL_PATH", str(folder))
+        with pytest.raises(ModelLoadError, match="not a Hugging Face model folder"):
+            HFCausalLM(folder, name="x").peek_version()
+        assert cli.main(["worker", "--role", "all"]) == 2
+        err = capsys.readouterr().err
+        assert "ModelLoadError" in err and "config.json" in err and "Traceback" not in err
