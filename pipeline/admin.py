@@ -99,3 +99,20 @@ async def ensure_topics(
         return todo
     finally:
         await admin.close()
+
+
+async def cluster_id(settings: Settings, timeout_s: float = 30.0) -> str:
+    """The id of the Kafka cluster at ``settings.bootstrap_servers`` (:mod:`pipeline.statedir`)."""
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=settings.bootstrap_servers,
+        request_timeout_ms=int(timeout_s * 1000),
+        **client_options(settings),
+    )
+    try:
+        await asyncio.wait_for(admin.start(), timeout_s)
+    except Exception as exc:
+        raise BrokerError(f"cannot reach Kafka at {settings.bootstrap_servers}: {exc!r}") from exc
+    try:
+        return str((await admin.describe_cluster())["cluster_id"])
+    finally:
+        await admin.close()

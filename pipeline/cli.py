@@ -70,6 +70,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
     install_event_loop(s)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     asyncio.run(ensure_topics(s))
+    from pipeline.admin import cluster_id
+    from pipeline.statedir import claim
+
+    moved = claim(s.data_dir, asyncio.run(cluster_id(s)))
+    if moved is not None:  # stores of another cluster: Faust would refuse them (ConsistencyError)
+        logging.getLogger("surge.worker").warning(
+            "%s held table stores of another Kafka cluster; moved to %s, tables restored from this "
+            "cluster's changelogs",
+            s.data_dir,
+            moved,
+        )
     if s.role == "risk":
         from agents.risk import ensure_risk_topics
 

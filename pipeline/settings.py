@@ -121,7 +121,7 @@ class Settings(BaseSettings):
     table_block_cache_mb: int = Field(
         8, ge=1, le=65536, description="RocksDB block cache of each table partition, MiB"
     )
-    web_port: int = Field(6066, ge=0, le=65535, description="worker web port serving /metrics")
+    web_port: int = Field(6066, ge=1, le=65535, description="worker web port serving /metrics")
     role: Literal["intake", "inference", "all", "risk"] = Field(
         "all", description="which agents this worker runs (all: intake and inference; risk: the risk path)"
     )
