@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
@@ -70,16 +70,7 @@ async def ensure_topics(
     names = [*TopicNames(settings.topic_prefix).all(), *extra]
     compacted = set(changelog_topics(settings)) | set(compacted_extra)
     names += sorted(compacted)
-    admin = AIOKafkaAdminClient(
-        bootstrap_servers=settings.bootstrap_servers,
-        request_timeout_ms=int(timeout_s * 1000),
-        **client_options(settings),
-    )
-    try:
-        await asyncio.wait_for(admin.start(), timeout_s)
-    except Exception as exc:
-        raise BrokerError(f"cannot reach Kafka at {settings.bootstrap_servers}: {exc!r}") from exc
-    try:
+    async with _admin(settings, timeout_s) as admin:
         existing = set(await admin.list_topics())
         todo = [n for n in dict.fromkeys(names) if n not in existing]
         if todo:
@@ -97,12 +88,17 @@ async def ensure_topics(
                 )
             log.info("created topics %s", todo)
         return todo
-    finally:
-        await admin.close()
 
 
 async def cluster_id(settings: Settings, timeout_s: float = 30.0) -> str:
     """The id of the Kafka cluster at ``settings.bootstrap_servers`` (:mod:`pipeline.statedir`)."""
+    async with _admin(settings, timeout_s) as admin:
+        return str((await admin.describe_cluster())["cluster_id"])
+
+
+@contextlib.asynccontextmanager
+async def _admin(settings: Settings, timeout_s: float) -> AsyncIterator[AIOKafkaAdminClient]:
+    """A started admin client of the cluster; :class:`BrokerError` when it cannot be reached."""
     admin = AIOKafkaAdminClient(
         bootstrap_servers=settings.bootstrap_servers,
         request_timeout_ms=int(timeout_s * 1000),
@@ -113,6 +109,6 @@ async def cluster_id(settings: Settings, timeout_s: float = 30.0) -> str:
     except Exception as exc:
         raise BrokerError(f"cannot reach Kafka at {settings.bootstrap_servers}: {exc!r}") from exc
     try:
-        return str((await admin.describe_cluster())["cluster_id"])
+        yield admin
     finally:
         await admin.close()
