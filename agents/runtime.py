@@ -57,6 +57,7 @@ def highwater(app: faust.App, tp: Any) -> int | None:
 
 
 if TYPE_CHECKING:
+    from agents.book_sweep import BookSweeper
     from agents.risk import RiskAgents
 
 #: raw bytes kept in a dead letter: base64 and the other fields then stay under a default cluster's
@@ -88,6 +89,8 @@ class Runtime:
     risk: RiskAgents | None = None
     #: recorded replies (a GlobalTable); None only in tools that send no replies
     book: ReplyBook | None = None
+    #: deletes expired entries from this worker's store of the reply book (agents/book_sweep.py)
+    book_sweeper: BookSweeper | None = None
     #: the reply book's table, whose writes can be awaited until durable (set with ``book``)
     book_table: DurableTable | None = None
     acker: Acker = field(init=False)

@@ -14,6 +14,7 @@ from faust.types import TableT
 
 from agents import inference as inference_agent
 from agents import intake as intake_agent
+from agents.book_sweep import SWEEP_INTERVAL_S, BookSweeper
 from agents.durable_table import DurableTable
 from agents.lifecycle import Lifecycle, commit_in_order, serve_pages
 from agents.runtime import Runtime
@@ -105,6 +106,14 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
     )
     rt.book_table = DurableTable(replybook)
     rt.book = ReplyBook(rt.book_table, ttl_ms=settings.reply_record_ttl_s * 1000, clock_ms=now_ms)
+    sweeper = rt.book_sweeper = BookSweeper(
+        replybook, settings.partitions, settings.reply_record_ttl_s * 1000
+    )
+
+    @app.timer(interval=SWEEP_INTERVAL_S)
+    async def sweep_reply_book() -> None:
+        sweeper.tick(now_ms())
+
     from models.registry import build_model
 
     model = build_model(settings)

@@ -52,3 +52,13 @@ class ReplyBook:
             return known
         self.store[key] = {"reply": reply.decode("utf-8"), "at_ms": self.clock_ms()}
         return reply
+
+
+def expired_entry(value: Any, now_ms: float, ttl_ms: float) -> bool:
+    """Whether a stored reply-book entry (its decoded value) is past ``ttl_ms``: what the sweep of
+    a worker's local store deletes (docs/architecture.md, "Guarantees"). An entry that is not a
+    recorded reply (no ``at_ms``) is left alone."""
+    if not isinstance(value, dict):
+        return False
+    at = value.get("at_ms")
+    return isinstance(at, int | float) and now_ms - float(at) >= ttl_ms

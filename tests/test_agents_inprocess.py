@@ -398,6 +398,28 @@ async def test_a_redelivered_request_gets_the_recorded_reply_byte_for_byte(
         assert w.metric("surge_batch_size_count") == 1
 
 
+async def test_expired_reply_book_entries_leave_the_workers_own_store(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    """A worker's store of the reply book (a global table) kept every entry it ever read: one was
+    deleted only when its request came again after the TTL, so the disk grew with every reply.
+    The sweep deletes entries past the TTL and keeps the others."""
+    async with inprocess(kafka, tmp_path) as w:
+        asked = request("old", "ann", "remember me for an hour")
+        (first,) = await w.replies(await w.client.submit(asked))
+        await w.settled()
+        sweeper, key = w.rt.book_sweeper, book_key(asked, w.topics.replies)
+        assert sweeper is not None and w.rt.book_table is not None
+        assert w.rt.book_table.get(key) is not None, "the reply was recorded"
+        n = w.deployment.settings.partitions
+        ttl_ms = w.deployment.settings.reply_record_ttl_s * 1000
+        assert sum(sweeper.sweep(p, now_ms()) for p in range(n)) == 0
+        assert w.rt.book_table.get(key) is not None, "a fresh entry is kept"
+        assert sum(sweeper.sweep(p, now_ms() + ttl_ms + 1) for p in range(n)) >= 1
+        assert w.rt.book_table.get(key) is None, "an expired entry is deleted"
+        assert sweeper.deleted >= 1 and first.status == "ok"
+
+
 async def test_a_recorded_reply_is_never_re_sent_to_another_reply_topic(
     kafka: EmbeddedKafka, tmp_path: Path
 ) -> None:

@@ -234,3 +234,12 @@ def test_known_topics_is_bounded_and_counts_an_unanswered_question_as_found() ->
         assert known.probe_errors == 3 and broker.asked == asked + 1
 
     asyncio.run(main())
+
+
+def test_an_entry_expires_at_its_ttl_and_anything_else_is_left_alone() -> None:
+    from pipeline.replybook import expired_entry
+
+    assert expired_entry({"reply": "{}", "at_ms": 1_000}, now_ms=61_000, ttl_ms=60_000)
+    assert not expired_entry({"reply": "{}", "at_ms": 1_001}, now_ms=61_000, ttl_ms=60_000)
+    for other in (None, "x", {"reply": "{}"}, {"at_ms": "1"}):
+        assert not expired_entry(other, now_ms=10**12, ttl_ms=1)
