@@ -10,6 +10,7 @@ from pipeline.exceptions import ModelError, PartialBatchError, TransientModelErr
 
 __all__ = [
     "FAQDataError",
+    "MergeDataError",
     "ModelError",
     "ModelLoadError",
     "ModelOutOfMemoryError",
@@ -34,6 +35,16 @@ class FAQDataError(ModelError):
     """A ``text,category`` file the FAQ trainer or its evaluation cannot use: missing, not UTF-8,
     without those columns, or too small to train on (the path and what is wrong are in the message).
     Raised before a model is loaded or a weight written."""
+
+    def __init__(self, path: object, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+
+
+class MergeDataError(ModelError):
+    """A data folder ``surge dedup train`` cannot learn from: not a folder, a file missing, or too few
+    pairs or intents (the path and what is wrong are in the message; the minimums are in
+    :mod:`models.merge_train`). Raised before the embedder loads or a weight is written."""
 
     def __init__(self, path: object, problem: str) -> None:
         super().__init__(f"{path}: {problem}")

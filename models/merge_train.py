@@ -13,6 +13,14 @@ Per language, a logistic regression over the pair features of :mod:`pipeline.pai
   weighted 0.3 against an STS-B pair;
 * Chinese: STS-B ``zh-train`` pairs, read by characters (MiniLM reads no Chinese).
 
+The data must hold enough to choose an operating point on (docs/architecture.md, "Semantic dedup"):
+each STS-B split at least :data:`MIN_SPLIT_PAIRS` pairs, :data:`MIN_BAND_PAIRS` of them scored >= 4.5
+and as many < 3, and banking77 at least :data:`MIN_BANK_INTENTS` intents of
+:data:`MIN_BANK_ROWS_PER_INTENT` questions. A folder with less, or a file missing, is refused
+(:class:`models.exceptions.MergeDataError`, :class:`pipeline.devtools.dedup_eval.PairsFileError`) before
+the embedder loads; so is an output folder that cannot be written. The weights are written to the
+folder the caller names (``pipeline/merge_data`` only when named), atomically.
+
 The logit is calibrated by Platt scaling on 5-fold out-of-fold logits of the training pairs. The
 operating point (a probability) is chosen on the ``dev`` split: the highest paraphrase merge rate with
 at most :data:`MAX_BELOW_3` of pairs scored < 3 and :data:`MAX_BELOW_4` of pairs < 4 merged (the
@@ -28,6 +36,7 @@ import itertools
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,13 +45,14 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from models.exceptions import MergeDataError
 from pipeline.dedup import normalize
+from pipeline.devtools.dedup_eval import load_pairs, writable_path
 from pipeline.pairs import (
     FEATURES,
     Head,
     IdfTable,
     LearnedDecision,
-    default_data_dir,
     idf_keys,
     read_decision,
 )
@@ -60,14 +70,77 @@ BANK_WEIGHT = 0.3
 #: search's prefilter); set under the lowest cosine of any training or dev pair the head merges.
 MIN_COSINE_FLOOR = 0.5
 
+#: The least a data folder must hold. Each STS-B split: this many pairs, with at least
+#: MIN_BAND_PAIRS scored >= 4.5 and as many < 3, since the training split's 5 folds need both labels
+#: and the dev split's operating point is a share of paraphrases merged with at most 0.4 % of pairs
+#: < 3 merged (with 30 paraphrases one pair moves it by 3 %). The real splits hold 1,500-5,749 pairs,
+#: 128-628 scored >= 4.5 and 871-2,755 < 3; 40-pair files trained and wrote weights.
+MIN_SPLIT_PAIRS = 300
+MIN_BAND_PAIRS = 30
+#: banking77: intents, each with this many questions in the file: a question is paired with its
+#: BANK_NEIGHBOURS nearest neighbours in the training part (85 % of the file), so an intent needs more
+#: than BANK_NEIGHBOURS + 1 there for same-intent pairs to exist. The real file: 77 intents of 35-187.
+MIN_BANK_INTENTS = 2
+MIN_BANK_ROWS_PER_INTENT = 10
+
+STS_SPLITS = ("en-train", "en-dev", "zh-train", "zh-dev")
+BANKING_FILE = "banking77/train.csv"
+
 Pair = tuple[str, str, float]
 
 
 def read_pairs(path: Path) -> list[Pair]:
     """STS-B style ``sentence1,sentence2,score`` rows (no header)."""
-    from pipeline.devtools.dedup_eval import load_pairs
-
     return load_pairs(path)
+
+
+def read_training_data(data_dir: str | Path) -> tuple[dict[str, list[Pair]], list[tuple[str, str]]]:
+    """The STS-B splits by name and the banking77 training part, each checked against the minimums
+    above; :class:`MergeDataError` (or the pairs' and rows' own errors) for a folder it cannot use."""
+    from models.faq_train import split_banking77
+
+    data = Path(data_dir)
+    wanted = [f"stsb/{name}.csv" for name in STS_SPLITS] + [BANKING_FILE]
+    if not data.is_dir():
+        raise MergeDataError(data, f"is not a folder; expected one with {', '.join(wanted)}")
+    missing = [name for name in wanted if not (data / name).is_file()]
+    if missing:
+        raise MergeDataError(data, f"lacks {', '.join(missing)}")
+    sts = {name: check_split(data / "stsb" / f"{name}.csv") for name in STS_SPLITS}
+    check_banking(data / BANKING_FILE)
+    bank_train, _ = split_banking77(data / BANKING_FILE, 0.15, 77)
+    return sts, bank_train
+
+
+def check_split(path: Path) -> list[Pair]:
+    """The pairs of one STS-B split, if they are enough to train or choose on."""
+    pairs = read_pairs(path)
+    paraphrases = sum(1 for _, _, s in pairs if s >= PARAPHRASE_MIN)
+    different = sum(1 for _, _, s in pairs if s < 3.0)
+    if len(pairs) < MIN_SPLIT_PAIRS or min(paraphrases, different) < MIN_BAND_PAIRS:
+        raise MergeDataError(
+            path,
+            f"{len(pairs)} pairs, {paraphrases} scored >= 4.5 and {different} < 3; training needs at least "
+            f"{MIN_SPLIT_PAIRS} pairs per split, at least {MIN_BAND_PAIRS} of them >= 4.5 and {MIN_BAND_PAIRS} < 3",
+        )
+    return pairs
+
+
+def check_banking(path: Path) -> None:
+    """:class:`MergeDataError` unless the banking77 file holds :data:`MIN_BANK_INTENTS` intents of at
+    least :data:`MIN_BANK_ROWS_PER_INTENT` questions each."""
+    from models.faq_train import read_rows
+
+    counts = Counter(category for _, category in read_rows(path))
+    small = sorted(c for c, n in counts.items() if n < MIN_BANK_ROWS_PER_INTENT)
+    if len(counts) < MIN_BANK_INTENTS or small:
+        shown = ", ".join(small[:5]) + (f" and {len(small) - 5} more" if len(small) > 5 else "")
+        raise MergeDataError(
+            path,
+            f"{sum(counts.values())} rows in {len(counts)} intents; training needs at least "
+            f"{MIN_BANK_INTENTS} intents of at least {MIN_BANK_ROWS_PER_INTENT} questions each"
+            + (f" (too few: {shown})" if small else ""),
+        )
 
 
 def read_banking(csv_path: Path) -> list[tuple[str, str]]:
@@ -243,22 +316,20 @@ def _with(head: Head, **changes: Any) -> Head:
 
 
 def train(
-    data_dir: str | Path = "../shared/data",
-    out_dir: str | Path | None = None,
+    data_dir: str | Path,
+    out_dir: str | Path,
     embed: Callable[[Sequence[str]], np.ndarray] | None = None,
     plot_path: str | Path | None = None,
+    report_path: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Train both heads, choose their operating points, write the weights and return the report."""
-    from models.faq_train import split_banking77
-
+    """Train both heads, choose their operating points, write the weights to ``out_dir`` (the shipped
+    ones only when it names ``pipeline/merge_data``) and return the report (also written to
+    ``report_path``). The data and every output path are checked before anything is embedded."""
     started = time.perf_counter()
-    data = Path(data_dir)
-    out = Path(out_dir) if out_dir is not None else default_data_dir()
-    sts = {
-        name: read_pairs(data / "stsb" / f"{name}.csv")
-        for name in ("en-train", "en-dev", "zh-train", "zh-dev")
-    }
-    bank_train, _ = split_banking77(data / "banking77" / "train.csv", 0.15, 77)
+    out = writable_path(out_dir, folder=True)
+    report_file = writable_path(report_path) if report_path is not None else None
+    plot_file = writable_path(plot_path) if plot_path is not None else None
+    sts, bank_train = read_training_data(data_dir)
 
     corpus = list(
         dict.fromkeys(
@@ -356,8 +427,11 @@ def train(
     report["out_dir"] = str(out)
     report["weights_bytes"] = sum(p.stat().st_size for p in out.glob("merge_*"))
     report["seconds"] = round(time.perf_counter() - started, 1)
-    if plot_path is not None:
-        plot_training(report, sets, heads, Path(plot_path))
+    if plot_file is not None:
+        plot_training(report, sets, heads, plot_file)
+    if report_file is not None:
+        report_file.parent.mkdir(parents=True, exist_ok=True)
+        report_file.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report
 
 
@@ -418,18 +492,18 @@ def plot_training(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m models.merge_train --data ../shared/data`` (what ``surge dedup train`` wraps)."""
+    """``python -m models.merge_train --data ../shared/data --out-dir DIR`` (what ``surge dedup train``
+    wraps)."""
     parser = argparse.ArgumentParser(prog="surge dedup train", description=__doc__.splitlines()[0])
     parser.add_argument("--data", default="../shared/data", help="folder with stsb/ and banking77/")
-    parser.add_argument("--out-dir", default=None, help="where the weights go (default: pipeline/merge_data)")
+    parser.add_argument(
+        "--out-dir", required=True, help="the folder to write the weights into (SURGE_MERGE_DATA_DIR)"
+    )
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--plot", default=None, help="write the trade-off and calibration plot here")
     args = parser.parse_args(argv)
-    report = train(args.data, args.out_dir, plot_path=args.plot)
-    text = json.dumps(report, indent=2)
-    if args.json:
-        Path(args.json).write_text(text + "\n", encoding="utf-8")
-    print(text)
+    report = train(args.data, args.out_dir, plot_path=args.plot, report_path=args.json)
+    print(json.dumps(report, indent=2))
     return 0
 
 

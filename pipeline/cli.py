@@ -225,13 +225,7 @@ def cmd_faq(args: argparse.Namespace) -> int:
 
 def cmd_dedup(args: argparse.Namespace) -> int:
     if args.action == "train":
-        from models import merge_train
-
-        report = merge_train.train(args.data, args.out_dir, plot_path=args.plot)
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        print(json.dumps(report["heads"], indent=2))
-        return 0
+        return _dedup_train(args)
     from pipeline.devtools.dedup_eval import parse_thresholds, run_dedup_eval
     from pipeline.pairs import decision_from_settings
 
@@ -244,6 +238,21 @@ def cmd_dedup(args: argparse.Namespace) -> int:
         embedder_path=s.embedder_path,
         decision=decision_from_settings(s),
     )
+    return 0
+
+
+def _dedup_train(args: argparse.Namespace) -> int:
+    from models import merge_train
+
+    if args.out_dir is None:  # the shipped weights are replaced only when their folder is named
+        print(
+            "surge dedup train: --out-dir is required: the weights go there, and a worker reads them "
+            "with SURGE_MERGE_DATA_DIR (the shipped ones are in pipeline/merge_data)",
+            file=sys.stderr,
+        )
+        return 2
+    report = merge_train.train(args.data, args.out_dir, plot_path=args.plot, report_path=args.json)
+    print(json.dumps(report["heads"], indent=2))
     return 0
 
 
@@ -329,8 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
     de.add_argument("--json", default=None, help="write the result here (and a PNG plot beside it)")
     de.set_defaults(fn=cmd_dedup)
     dt = dsub.add_parser("train", help="train the learned merge decision (STS-B en/zh, banking77)")
-    dt.add_argument("--data", default="../shared/data", help="folder with stsb/ and banking77/")
-    dt.add_argument("--out-dir", default=None, help="where the weights go (default: pipeline/merge_data)")
+    dt.add_argument("--data", required=True, help="folder with stsb/ and banking77/ (their CSV files)")
+    dt.add_argument(
+        "--out-dir",
+        default=None,
+        help="the folder to write the weights into (required; SURGE_MERGE_DATA_DIR)",
+    )
     dt.add_argument("--json", default=None, help="write the training report here")
     dt.add_argument("--plot", default=None, help="write the trade-off and calibration plot here")
     dt.set_defaults(fn=cmd_dedup)

@@ -15,7 +15,7 @@ A pair merges when, in this order:
      language, each with an operating point (a probability) chosen on training data. The English head
      reads MiniLM's cosine and word/character overlap; the Chinese head reads characters, since MiniLM
      turns every Chinese character into ``[UNK]``. Weights ship as ``.npz`` + ``.json`` in
-     ``models/merge_data`` (no pickle), trained by ``surge dedup train`` (:mod:`models.merge_train`).
+     ``pipeline/merge_data`` (no pickle), trained by ``surge dedup train`` (:mod:`models.merge_train`).
 
 Pair features (:data:`FEATURES`), computed from a per-text :class:`Profile` cached by text, so a
 leader compared many times is read once. Units are stemmed words for English and characters for
@@ -38,10 +38,13 @@ Chinese; ``idf`` is a hashed inverse document frequency table learnt with the we
 from __future__ import annotations
 
 import bisect
+import io
 import itertools
 import json
 import math
+import os
 import re
+import tempfile
 import unicodedata
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -564,7 +567,12 @@ class LearnedDecision:
     # ---- persistence -------------------------------------------------------------------------------
 
     def save(self, out_dir: str | Path) -> None:
-        """Write ``merge_weights.npz`` (arrays) and ``merge_model.json`` (everything else)."""
+        """Write ``merge_weights.npz`` (arrays) and ``merge_model.json`` (everything else), atomically.
+
+        Both are made in memory, written to temporary files in ``out_dir`` and renamed over the old
+        ones, ``merge_model.json`` (the file :func:`read_decision` opens and checks first) last: a
+        failure before the renames leaves the old weights as they were, and no file is ever seen
+        half-written (docs/architecture.md, "Semantic dedup")."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         arrays: dict[str, np.ndarray] = {"idf": self.idf.values.astype(np.float16)}
@@ -581,8 +589,6 @@ class LearnedDecision:
                 "threshold": h.threshold,
                 "cosine_floor": h.cosine_floor,
             }
-        # numpy's stub types the keyword arrays as its ``allow_pickle`` flag
-        np.savez_compressed(out / WEIGHTS_FILE, **arrays)  # type: ignore[arg-type]
         doc = {
             "format": FORMAT_VERSION,
             "features": list(FEATURES),
@@ -591,7 +597,31 @@ class LearnedDecision:
             "heads": heads,
             "meta": self.meta,
         }
-        (out / MODEL_FILE).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        text = json.dumps(doc, indent=1, sort_keys=True) + "\n"
+        weights = io.BytesIO()
+        # numpy's stub types the keyword arrays as its ``allow_pickle`` flag
+        np.savez_compressed(weights, **arrays)  # type: ignore[arg-type]
+        _replace_files([(out / WEIGHTS_FILE, weights.getvalue()), (out / MODEL_FILE, text.encode("utf-8"))])
+
+
+def _replace_files(files: Sequence[tuple[Path, bytes]]) -> None:
+    """Write each ``(path, content)`` to a temporary file in its folder, then rename them over the
+    paths in order; the temporary files are removed whatever happens."""
+    temps: list[Path] = []
+    try:
+        for path, content in files:
+            fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            temps.append(Path(name))
+            with os.fdopen(fd, "wb") as fh:
+                os.fchmod(fh.fileno(), 0o644)  # mkstemp's 0600 would hide the weights from other users
+                fh.write(content)
+                fh.flush()
+                os.fsync(fh.fileno())
+        for (path, _), temp in zip(files, temps, strict=True):
+            os.replace(temp, path)
+    finally:
+        for temp in temps:
+            temp.unlink(missing_ok=True)
 
 
 FORMAT_VERSION = 1

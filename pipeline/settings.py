@@ -379,7 +379,8 @@ class Settings(BaseSettings):
     )
     merge_data_dir: str | None = Field(
         None,
-        description="folder of retrained merge weights (surge dedup train --out-dir); default: the shipped ones",
+        description="folder of retrained merge weights (surge dedup train --out-dir, which is required); "
+        "default: the shipped ones",
     )
     semantic_cache_enabled: bool = Field(
         True,

@@ -490,42 +490,18 @@ def test_cli_parses_dedup_train() -> None:
 
 def test_train_writes_loadable_weights(tmp_path: Path) -> None:
     from models import merge_train
+    from tests.test_dedup_cli import _Embedder, write_training_data
 
-    rng = random.Random(3)
-    words = "card pin top up transfer fee account limit cash refund app phone euro exchange rate".split()
-    (tmp_path / "stsb").mkdir()
-    (tmp_path / "banking77").mkdir()
-    for split in ("en-train", "en-dev", "zh-train", "zh-dev"):
-        with open(tmp_path / "stsb" / f"{split}.csv", "w", newline="", encoding="utf-8") as fh:
-            w = csv.writer(fh)
-            for i in range(60):
-                if split.startswith("zh"):
-                    a = "".join(rng.sample("卡密码转账费用账户限额现金退款汇率手机", 6))
-                    b = (
-                        a + "吗"
-                        if i % 2
-                        else "".join(rng.sample("卡密码转账费用账户限额现金退款汇率手机", 6))
-                    )
-                else:
-                    a = " ".join(rng.sample(words, 5))
-                    b = a + " please" if i % 2 else " ".join(rng.sample(words, 5))
-                w.writerow([a, b, 5.0 if i % 2 else rng.choice([0.5, 2.0, 3.5])])
-    with open(tmp_path / "banking77" / "train.csv", "w", newline="", encoding="utf-8") as fh:
-        w = csv.writer(fh)
-        w.writerow(["text", "category"])
-        for intent in range(6):
-            for _ in range(12):
-                w.writerow([f"{words[intent]} " + " ".join(rng.sample(words, 4)), f"intent{intent}"])
-
-    def embed(texts: list[str]) -> np.ndarray:  # a bag of hashed words: enough to exercise the pipeline
-        out = np.zeros((len(texts), 32), np.float32)
-        for i, t in enumerate(texts):
-            for word in t.split():
-                out[i, hash(word) % 32] += 1.0
-        return out + 1e-3
-
-    report = merge_train.train(tmp_path, tmp_path / "out", embed=embed, plot_path=tmp_path / "train.png")
+    data = write_training_data(tmp_path / "data")  # just over the minimums merge_train accepts
+    report = merge_train.train(
+        data,
+        tmp_path / "out",
+        embed=_Embedder().embed,
+        plot_path=tmp_path / "train.png",
+        report_path=tmp_path / "reports" / "train.json",
+    )
     assert (tmp_path / "train.png").stat().st_size > 0
+    assert (tmp_path / "reports" / "train.json").stat().st_size > 0
     dec = read_decision(tmp_path / "out")
     assert set(dec.heads) == {"en", "zh"} and report["heads"]["en"]["pairs"] > 0
     assert dec.decide("card pin fee", "card pin fee please", 0.99).reason != "no head for this pair"

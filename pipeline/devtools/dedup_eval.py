@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import csv
 import json
+import math
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,13 +40,38 @@ DIFFERENT_BELOW_SCORE = 3.0
 NOT_SAME_BELOW_SCORE = 4.0
 
 
-class PairsFormatError(SurgeError):
+class PairsFileError(SurgeError):
+    """A pairs file that cannot be used: missing or unreadable, not UTF-8, not CSV, a bad row
+    (:class:`PairsFormatError`) or no pairs at all. Raised before the embedder loads."""
+
+    def __init__(self, path: str | Path, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = str(path)
+
+
+class PairsFormatError(PairsFileError):
     """A pairs file row is not ``sentence1,sentence2,score``."""
 
-    def __init__(self, path: str, line: int, detail: str) -> None:
-        super().__init__(f"{path}, line {line}: {detail}; expected sentence1,sentence2,score (0-5)")
-        self.path = path
+    def __init__(self, path: str | Path, line: int, detail: str) -> None:
+        super().__init__(path, f"line {line}: {detail}; expected sentence1,sentence2,score (0-5)")
         self.line = line
+
+
+class ThresholdsError(SurgeError):
+    """A ``--thresholds`` value that names no usable list of cosine thresholds (each 0-1)."""
+
+    def __init__(self, spec: str, problem: str) -> None:
+        super().__init__(f"thresholds {spec!r}: {problem}; expected start:stop:step or a,b,c within 0-1")
+        self.spec = spec
+
+
+class OutputPathError(SurgeError):
+    """A file or folder a command was asked to write cannot be written there. Raised before any
+    model loads or any work is done, so that a long run does not end in a traceback."""
+
+    def __init__(self, path: str | Path, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = str(path)
 
 
 class NoThresholdError(SurgeError):
@@ -61,22 +88,54 @@ class NoThresholdError(SurgeError):
 
 
 def load_pairs(csv_path: str | Path) -> list[tuple[str, str, float]]:
-    """Read an STS-B style pairs file (no header); sentences may contain quoted commas."""
-    pairs: list[tuple[str, str, float]] = []
-    with open(csv_path, newline="", encoding="utf-8") as fh:
-        for line, row in enumerate(csv.reader(fh), start=1):
-            if not row or all(not cell.strip() for cell in row):
-                continue
-            if len(row) != 3:
-                raise PairsFormatError(str(csv_path), line, f"{len(row)} fields")
-            try:
-                score = float(row[2])
-            except ValueError:
-                raise PairsFormatError(str(csv_path), line, f"score {row[2]!r} is not a number") from None
-            if not 0.0 <= score <= 5.0:
-                raise PairsFormatError(str(csv_path), line, f"score {score} outside 0-5")
-            pairs.append((row[0], row[1], score))
+    """Read an STS-B style pairs file (no header); sentences may contain quoted commas.
+
+    :class:`PairsFileError` for a file that is missing or unreadable, not UTF-8, not CSV, with a bad
+    row (:class:`PairsFormatError`, with its line) or without any pair."""
+    try:
+        with open(csv_path, newline="", encoding="utf-8") as fh:
+            pairs = [
+                _pair(csv_path, line, row)
+                for line, row in enumerate(csv.reader(fh), start=1)
+                if row and any(cell.strip() for cell in row)
+            ]
+    except OSError as exc:
+        raise PairsFileError(csv_path, f"cannot be read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise PairsFileError(csv_path, f"is not UTF-8 ({exc.reason} at byte {exc.start})") from exc
+    except csv.Error as exc:
+        raise PairsFileError(csv_path, f"is not a CSV file: {exc}") from exc
+    if not pairs:
+        raise PairsFileError(csv_path, "holds no pairs; expected rows sentence1,sentence2,score (0-5)")
     return pairs
+
+
+def _pair(csv_path: str | Path, line: int, row: list[str]) -> tuple[str, str, float]:
+    if len(row) != 3:
+        raise PairsFormatError(csv_path, line, f"{len(row)} fields")
+    try:
+        score = float(row[2])
+    except ValueError:
+        raise PairsFormatError(csv_path, line, f"score {row[2]!r} is not a number") from None
+    if not 0.0 <= score <= 5.0:
+        raise PairsFormatError(csv_path, line, f"score {score} outside 0-5")
+    return row[0], row[1], score
+
+
+def writable_path(path: str | Path, folder: bool = False) -> Path:
+    """``path``, once it is known that a file (``folder``: a folder) can be written there: it is not
+    the other kind, and its nearest existing ancestor is a folder this process may write in. Nothing
+    is created; :class:`OutputPathError` otherwise. Called before a model loads."""
+    out = Path(path)
+    if out.exists() and out.is_dir() != folder:
+        kind = "a folder" if out.is_dir() else "a file"
+        raise OutputPathError(out, f"is {kind}; expected {'a folder' if folder else 'a file'} to write")
+    ancestor = next(p for p in (out.parent, *out.parent.parents) if p.exists())
+    if not ancestor.is_dir():
+        raise OutputPathError(out, f"cannot be made: {ancestor} is a file")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise OutputPathError(out, f"cannot be written: {ancestor} is not writable")
+    return out
 
 
 def _embed_unique(texts: Sequence[str], embed: EmbedFn) -> dict[str, np.ndarray]:
@@ -367,15 +426,20 @@ def run_dedup_eval(
     beside each threshold, per language; print a table, choose a threshold, write JSON.
 
     Called by ``surge dedup eval --pairs CSV``. ``chosen_threshold`` is None when no threshold keeps
-    the wrong-merge rate under ``max_wrong_below_3`` (``choose_error`` then says why).
+    the wrong-merge rate under ``max_wrong_below_3`` (``choose_error`` then says why). The pairs, the
+    thresholds and the output path are checked before the embedder loads (it takes seconds):
+    :class:`PairsFileError`, :class:`ThresholdsError`, :class:`OutputPathError`.
     """
+    pairs = load_pairs(csv_path)
+    if not thresholds:
+        raise ThresholdsError("", "no threshold")
+    outputs = _eval_outputs(json_out)
     from models.embedder import shared_embedder
     from pipeline.pairs import load_decision
 
     embedder = shared_embedder(embedder_path)
     if decision is None:
         decision = load_decision(None, min(thresholds) if embedder_path else None)
-    pairs = load_pairs(csv_path)
     result = evaluate_pairs(pairs, embedder.embed, thresholds, embedder.multilingual, decision)
     result["pairs_file"] = str(csv_path)
     result["embedder"] = embedder.path
@@ -400,10 +464,25 @@ def run_dedup_eval(
             f"candidates vs embedding {o['embed_ms_per_request']:.3f} ms per request (batch 32): "
             f"{o['overhead_share']:.1%}"
         )
-    if json_out is not None:
-        Path(json_out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        plot_eval(result, Path(json_out).with_suffix(".png"))
+    if outputs is not None:
+        json_path, png_path = outputs
+        json_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        plot_eval(result, png_path)
     return result
+
+
+def _eval_outputs(json_out: str | Path | None) -> tuple[Path, Path] | None:
+    """The JSON result's path and the plot's beside it, both checked as writable (and the JSON's
+    folder made, as it will be needed)."""
+    if json_out is None:
+        return None
+    json_path = writable_path(json_out)
+    png_path = writable_path(json_path.with_suffix(".png"))
+    try:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputPathError(json_path, f"its folder cannot be made: {exc.strerror or exc}") from exc
+    return json_path, png_path
 
 
 def plot_eval(result: dict[str, Any], path: Path) -> None:
@@ -441,15 +520,45 @@ def plot_eval(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+#: the most thresholds one evaluation measures (0-1 in steps of 0.001)
+MAX_THRESHOLDS = 1001
+
+
 def parse_thresholds(spec: str) -> list[float]:
-    """``"0.80:0.95:0.01"`` (start:stop:step, stop included) or ``"0.85,0.9"``."""
+    """``"0.80:0.95:0.01"`` (start:stop:step, stop included) or ``"0.85,0.9"``; each within 0-1.
+
+    :class:`ThresholdsError` for anything else (a reversed range, a step of 0, a word, too many)."""
     if ":" in spec:
-        start, stop, step = (float(x) for x in spec.split(":"))
+        parts = spec.split(":")
+        if len(parts) != 3:
+            raise ThresholdsError(spec, f"a range has 3 parts, not {len(parts)}")
+        start, stop, step = (_number(spec, x) for x in parts)
         if step <= 0 or stop < start:
-            raise ValueError(f"thresholds {spec!r}: need start <= stop and step > 0")
+            raise ThresholdsError(spec, "a range needs start <= stop and step > 0")
+        if not 0.0 <= start <= stop <= 1.0:
+            raise ThresholdsError(spec, "a range lies within 0-1")
         count = round((stop - start) / step) + 1
-        return [round(start + i * step, 6) for i in range(count)]
-    return [float(x) for x in spec.split(",") if x.strip()]
+        if count > MAX_THRESHOLDS:
+            raise ThresholdsError(spec, f"{count} thresholds, more than {MAX_THRESHOLDS}")
+        values = [round(start + i * step, 6) for i in range(count)]
+    else:
+        values = [_number(spec, x) for x in spec.split(",") if x.strip()]
+    if not values:
+        raise ThresholdsError(spec, "no threshold")
+    outside = [v for v in values if not 0.0 <= v <= 1.0]
+    if outside:
+        raise ThresholdsError(spec, f"{outside[0]} is outside 0-1")
+    return values
+
+
+def _number(spec: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise ThresholdsError(spec, f"{text.strip()!r} is not a number")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
