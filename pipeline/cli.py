@@ -196,7 +196,11 @@ def cmd_tail(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from pipeline.devtools.demo import run_demo
 
-    summary = run_demo(n=args.n, rate_per_s=args.rate, data_dir=Path(args.data_dir), quiet=args.quiet)
+    try:
+        summary = run_demo(n=args.n, rate_per_s=args.rate, data_dir=Path(args.data_dir), quiet=args.quiet)
+    except KeyboardInterrupt:  # the demo's broker and worker are stopped on the way out
+        print("surge demo: interrupted", file=sys.stderr)
+        return 130
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary, indent=2))
     return 0 if summary["answered"] == summary["sent"] else 1
