@@ -39,6 +39,7 @@ NOT_YET_SWITCHED: dict[str, str] = {}
 #: a private name of the libraries too, with the object's class
 SURGE_OBJECTS: dict[tuple[str, str], str] = {
     ("tests/test_security.py", "gw._in_flight"): "pipeline.gateway.Gateway",
+    ("tests/test_shadow.py", "sh._sample"): "pipeline.replay.shadow.Shadow",
 }
 
 _DEFINED = re.compile(r"(?:\bself\.|\bcls\.|^\s*def |^\s*async def |^class |^)(_[A-Za-z]\w*)\b", re.MULTILINE)

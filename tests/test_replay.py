@@ -101,6 +101,16 @@ def test_sampling_by_hash() -> None:
     assert all(plan.sampled(i, 30) for i in ids if plan.sampled(i, 10))
 
 
+def test_a_restarted_shadow_reads_live_replies_from_where_its_sampler_resumes() -> None:
+    """The live-reply reader starts at the oldest first unread request of the sampler's partitions (a
+    restarted shadow catches up from its committed offsets), or now when it has read them all; less a
+    margin for replies stamped by another clock (docs/architecture.md, "Replay")."""
+    skew = plan.LIVE_REPLY_SKEW_MS
+    assert plan.live_replies_from({0: None, 1: NOW - 90_000, 2: NOW - 30_000}, NOW) == NOW - 90_000 - skew
+    assert plan.live_replies_from({0: None, 1: None}, NOW) == NOW - skew
+    assert plan.live_replies_from({}, NOW) == NOW - skew
+
+
 def test_rewrite_keeps_the_request_but_its_reply_to() -> None:
     live = ReplyToPolicy(TopicNames("surge."), "surge")
     req = {
@@ -251,6 +261,10 @@ def test_request_report_on_a_history_with_known_differences() -> None:
     )
     text = "\n".join(compare.summary_lines(rep))
     assert "same outcome 3/9" in text and "cache->model 1" in text
+    # the two latencies are measured differently, and the summary says how, with their counts
+    (line,) = [x for x in text.splitlines() if x.startswith("latency")]
+    assert "request created_at to reply made" in line and "timings.total_ms" in line
+    assert "9 replies that carry it" in line and "copy sent to reply read, 0 replies" in line  # none given
 
 
 def test_request_causes() -> None:
@@ -395,6 +409,44 @@ def test_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert "replay's own" in capsys.readouterr().err
     assert main(["replay", "--from", "yesterday"]) == 2
     assert main(["replay"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["shadow", "--percent", "5", "--window", "0"], "--window"),
+        (["shadow", "--percent", "5", "--window", "-1"], "--window"),
+        (["shadow", "--percent", "0"], "--percent"),
+        (["shadow", "--percent", "100.5"], "--percent"),
+        (["replay", "--shadow", "0"], "--shadow"),
+    ],
+)
+def test_shadow_flags_out_of_range_are_refused_naming_the_flag(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--window`` below 1 would keep no request (or fail on the first with a KeyError), and a share
+    of 0 % mirrors nothing: refused by argparse (exit status 2) under the flag the user typed."""
+    from pipeline.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2
+    assert f"argument {flag}:" in capsys.readouterr().err
+    assert build_parser().parse_args(["shadow", "--percent", "100", "--window", "1"]).window == 1
+
+
+def test_a_shadow_asked_for_no_share_or_no_window_is_refused() -> None:
+    """The same checks for a shadow started from Python, with typed errors that name the setting
+    (not ``--shadow`` for ``surge shadow --percent``)."""
+    from pipeline.replay.shadow import Shadow, ShadowOptions
+
+    s = Settings.load(broker="kafka://127.0.0.1:1")
+    with pytest.raises(plan.ShadowPercentError, match=r"shadow share 0 %.*surge shadow --percent") as err:
+        Shadow(ShadowOptions(percent=0.0), s)
+    assert isinstance(err.value, ReplayError) and err.value.percent == 0
+    for window in (0, -1):
+        with pytest.raises(plan.ShadowWindowError, match=f"shadow window {window}: .* at least 1"):
+            Shadow(ShadowOptions(percent=5, window=window), s)
 
 
 @pytest.mark.parametrize(

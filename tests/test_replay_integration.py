@@ -351,6 +351,58 @@ async def test_shadow_outputs_never_reach_a_reply_topic(deployment, tmp_path: Pa
     assert not any(shadow.names.owns(t) for t in await _topics(d.bootstrap))
 
 
+async def _ready_shadow(shadow: Shadow) -> asyncio.Task[dict[str, Any]]:
+    """``shadow`` running, once its READY file says it mirrors."""
+    task = asyncio.create_task(shadow.run())
+    deadline = time.monotonic() + 180
+    while not shadow.ready_path.exists():
+        assert not task.done(), task.exception()
+        assert time.monotonic() < deadline, "shadow not ready"
+        await asyncio.sleep(0.2)
+    return task
+
+
+async def _joined(shadow: Shadow, want: set[tuple[str, str]]) -> None:
+    """Until ``shadow`` holds the candidate's and the live reply of every request of ``want``."""
+    await shadow.collector.wait_for(want, 60)
+    for _ in range(150):  # the live replies, read from the time the sampler resumed at
+        if want <= set(shadow.live):
+            return
+        await asyncio.sleep(0.2)
+
+
+async def test_a_restarted_shadow_joins_the_requests_it_catches_up_on(deployment, tmp_path: Path) -> None:
+    """A shadow restarted with the same id and folder resumes from its sampler's committed offsets,
+    so it copies the requests sent while it was down; their live replies are read from the time it
+    resumes at (not from the end), so every one is joined. Its READY file is gone whenever it is not
+    running."""
+    d = deployment(**LIVE)
+    d.worker()
+    c = await d.client()
+    s = d.settings
+    opts = ShadowOptions(percent=100, out_dir=tmp_path / "shadow", shadow_id="again", quiet=True)
+    first = Shadow(opts, s, partitions=s.partitions)
+    task = await _ready_shadow(first)
+    before = [request(f"a-{i}", f"u{i % 4}", f"before the restart {i}") for i in range(4)]
+    await d.replies([await c.submit(r) for r in before], 60)
+    await _joined(first, {(r["user_id"], r["request_id"]) for r in before})
+    first.stop.set()
+    report = await asyncio.wait_for(task, 60)
+    assert report["counts"]["joined"] == len(before)
+    assert not first.ready_path.exists()
+    # while no shadow runs, live traffic goes on
+    during = [request(f"b-{i}", f"u{i % 4}", f"while it was down {i}") for i in range(8)]
+    await d.replies([await c.submit(r) for r in during], 60)
+    again = Shadow(opts, s, partitions=s.partitions)
+    task = await _ready_shadow(again)
+    await _joined(again, {(r["user_id"], r["request_id"]) for r in during})
+    again.stop.set()
+    report = await asyncio.wait_for(task, 60)
+    assert report["shadow"]["sampled"] == len(during) and report["counts"]["replayed"] == len(during)
+    assert report["counts"]["joined"] == len(during) and report["agreement"]["rate"] == 1.0
+    assert report["shadow"]["error"] is None and not again.ready_path.exists()
+
+
 async def test_risk_replay_warms_windows_and_compares_decisions(deployment, tmp_path: Path) -> None:
     """Risk events: the 24 h before --from warm the windows (not compared), the live rules are
     copied, decisions are joined on event_id with flips, score deltas, feature mismatches and recall."""

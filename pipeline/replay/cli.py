@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     r.add_argument("--keep-topics", action="store_true", help="keep the replay's topics afterwards")
     r.add_argument(
         "--shadow",
-        type=float,
+        type=_percent,
         default=None,
         metavar="PERCENT",
         help="mirror PERCENT of live requests to the candidate instead of replaying a range",
@@ -51,7 +51,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "shadow", help="mirror a share of live requests to a candidate model (shadow topic only)"
     )
     sh.add_argument(
-        "--percent", type=float, required=True, help="share of live requests, by hash of request_id"
+        "--percent",
+        type=_percent,
+        required=True,
+        help="share of live requests, by hash of request_id: above 0, at most 100",
     )
     _common(sh)
     sh.add_argument(
@@ -59,9 +62,34 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     sh.add_argument("--delete-topics", action="store_true", help="delete the shadow's topics at the end")
     sh.add_argument(
-        "--window", type=int, default=10_000, help="the comparison covers the last N sampled requests"
+        "--window",
+        type=_positive_int,
+        default=10_000,
+        help="the comparison covers the last N sampled requests (N >= 1)",
     )
     sh.set_defaults(fn=cmd_shadow)
+
+
+def _percent(text: str) -> float:
+    """A share of live traffic: a percentage above 0 and at most 100 (argparse names the flag)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 100:
+        raise argparse.ArgumentTypeError(f"{text}: a percentage above 0 and at most 100")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    """A count of at least 1 (argparse names the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: at least 1")
+    return value
 
 
 def _common(p: argparse.ArgumentParser) -> None:

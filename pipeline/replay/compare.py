@@ -474,11 +474,7 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
             "served_from live->replay: "
             + ", ".join(f"{k} {v}" for k, v in report["served_from_shift"].items())
         )
-        lat = report["latency_ms"]
-        lines.append(
-            f"latency p50/p99 ms: live {lat['live_created_to_reply']['p50_ms']}/{lat['live_created_to_reply']['p99_ms']}, "
-            f"replay {lat['replay_copy_to_reply']['p50_ms']}/{lat['replay_copy_to_reply']['p99_ms']}"
-        )
+        lines.append(_request_latency_line(report["latency_ms"]))
     else:
         sd = report["score_delta"]["abs"]
         lines.append(
@@ -500,6 +496,18 @@ def summary_lines(report: Mapping[str, Any]) -> list[str]:
     if report["differences_by_cause"]:
         lines.append("by cause: " + ", ".join(f"{k} {v}" for k, v in report["differences_by_cause"].items()))
     return lines
+
+
+def _request_latency_line(lat: Mapping[str, Mapping[str, Any]]) -> str:
+    """Live and replayed latency, each with what it measures: they are measured differently (a replayed
+    copy keeps its old ``created_at``), so each is compared with itself across runs, not with the
+    other (docs/architecture.md, "Replay")."""
+    live, new = lat["live_created_to_reply"], lat["replay_copy_to_reply"]
+    return (
+        f"latency p50/p99 ms: live {live['p50_ms']}/{live['p99_ms']} (request created_at to reply made, "
+        f"the live worker's timings.total_ms, {live['count']} replies that carry it); replay "
+        f"{new['p50_ms']}/{new['p99_ms']} (copy sent to reply read, {new['count']} replies)"
+    )
 
 
 def _pct(x: float | None) -> str:

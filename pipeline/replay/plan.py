@@ -111,6 +111,36 @@ class ReplaySettingError(ReplayError):
         self.item = item
 
 
+class ShadowPercentError(ReplayError):
+    """A shadow share that is not a percentage above 0 and at most 100."""
+
+    def __init__(self, percent: float) -> None:
+        super().__init__(
+            f"shadow share {percent:g} %: the share of live requests mirrored must be a percentage above "
+            "0 and at most 100 (surge shadow --percent, surge replay --shadow)"
+        )
+        self.percent = percent
+
+
+class ShadowWindowError(ReplayError):
+    """A comparison window that holds no request."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__(f"shadow window {window}: the comparison must cover at least 1 sampled request")
+        self.window = window
+
+
+class ShadowTaskError(ReplayError):
+    """One of a shadow's tasks (the sampler, the live-reply reader, the report loop) ended while the
+    shadow ran: the shadow stops, writes its final report and exits non-zero."""
+
+    def __init__(self, task: str, cause: BaseException | None) -> None:
+        why = "ended" if cause is None else f"failed: {type(cause).__name__}: {cause}"
+        super().__init__(f"the shadow's {task} {why}; the shadow stopped (its report covers what it had)")
+        self.task = task
+        self.cause = cause
+
+
 def parse_time(text: str, now_ms: int) -> int:
     """Epoch milliseconds of ``text``: epoch ms, ISO 8601 (UTC without a zone), ``now`` or ``-2h``."""
     t = text.strip()
@@ -232,6 +262,21 @@ def sampled(request_id: str, percent: float) -> bool:
         return False
     h = int.from_bytes(hashlib.sha256(request_id.encode("utf-8")).digest()[:8], "big")
     return h / 2**64 * 100 < percent
+
+
+#: how far before the sampler's resume time the shadow reads live replies: a reply stamped by another
+#: machine's clock than its request's may carry an earlier time
+LIVE_REPLY_SKEW_MS = 60_000
+
+
+def live_replies_from(first_unread_ms: Mapping[object, int | None], now_ms: int) -> int:
+    """The time the shadow's live-reply reader starts from (docs/architecture.md, "Replay"): the oldest
+    timestamp of the first request record the sampler has yet to read in each of its partitions (None
+    where it has read them all), or ``now_ms`` when it has read every one; less
+    :data:`LIVE_REPLY_SKEW_MS`. So a restarted shadow, which resumes from its group's committed
+    offsets, finds the live replies of the requests it catches up on."""
+    times = [ms for ms in first_unread_ms.values() if ms is not None]
+    return min([now_ms, *times]) - LIVE_REPLY_SKEW_MS
 
 
 @dataclass(frozen=True, slots=True)
