@@ -20,7 +20,7 @@ import random
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from itertools import product
 from pathlib import Path
@@ -85,20 +85,27 @@ def read_rows(csv_path: str | Path) -> list[Row]:
     return rows
 
 
-def check_trainable(csv_path: str | Path, rows: Sequence[Row]) -> None:
-    """:class:`FAQDataError` unless ``rows`` hold :data:`MIN_INTENTS` intents of at least
-    :data:`MIN_ROWS_PER_INTENT` questions each: a file of a dozen rows trained and wrote weights
-    whose accuracy on real questions fell from 0.99 to 0.29, reporting 1.0 on its two held-out rows."""
+def check_trainable(
+    csv_path: str | Path,
+    rows: Sequence[Row],
+    min_intents: int = MIN_INTENTS,
+    min_rows: int = MIN_ROWS_PER_INTENT,
+    error: Callable[[object, str], Exception] = FAQDataError,
+) -> None:
+    """``error`` (:class:`FAQDataError`) unless ``rows`` hold ``min_intents`` intents of at least
+    ``min_rows`` questions each: a file of a dozen rows trained and wrote weights whose accuracy on
+    real questions fell from 0.99 to 0.29, reporting 1.0 on its two held-out rows. The merge
+    decision's trainer checks its banking77 file with it too."""
     counts: dict[str, int] = defaultdict(int)
     for _, category in rows:
         counts[category] += 1
-    small = sorted(c for c, n in counts.items() if n < MIN_ROWS_PER_INTENT)
-    if len(counts) < MIN_INTENTS or small:
+    small = sorted(c for c, n in counts.items() if n < min_rows)
+    if len(counts) < min_intents or small:
         shown = ", ".join(small[:5]) + (f" and {len(small) - 5} more" if len(small) > 5 else "")
-        raise FAQDataError(
+        raise error(
             csv_path,
-            f"{len(rows)} rows in {len(counts)} intents; training needs at least {MIN_INTENTS} intents "
-            f"of at least {MIN_ROWS_PER_INTENT} questions each" + (f" (too few: {shown})" if small else ""),
+            f"{len(rows)} rows in {len(counts)} intents; training needs at least {min_intents} intents "
+            f"of at least {min_rows} questions each" + (f" (too few: {shown})" if small else ""),
         )
 
 

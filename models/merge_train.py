@@ -36,7 +36,6 @@ import itertools
 import json
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,18 +128,9 @@ def check_split(path: Path) -> list[Pair]:
 def check_banking(path: Path) -> None:
     """:class:`MergeDataError` unless the banking77 file holds :data:`MIN_BANK_INTENTS` intents of at
     least :data:`MIN_BANK_ROWS_PER_INTENT` questions each."""
-    from models.faq_train import read_rows
+    from models.faq_train import check_trainable, read_rows
 
-    counts = Counter(category for _, category in read_rows(path))
-    small = sorted(c for c, n in counts.items() if n < MIN_BANK_ROWS_PER_INTENT)
-    if len(counts) < MIN_BANK_INTENTS or small:
-        shown = ", ".join(small[:5]) + (f" and {len(small) - 5} more" if len(small) > 5 else "")
-        raise MergeDataError(
-            path,
-            f"{sum(counts.values())} rows in {len(counts)} intents; training needs at least "
-            f"{MIN_BANK_INTENTS} intents of at least {MIN_BANK_ROWS_PER_INTENT} questions each"
-            + (f" (too few: {shown})" if small else ""),
-        )
+    check_trainable(path, read_rows(path), MIN_BANK_INTENTS, MIN_BANK_ROWS_PER_INTENT, MergeDataError)
 
 
 def read_banking(csv_path: Path) -> list[tuple[str, str]]:

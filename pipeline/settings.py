@@ -641,12 +641,6 @@ class Settings(BaseSettings):
                 f"deadline_offline_ms={self.deadline_offline_ms} must be 0 (none) or at least "
                 f"deadline_batch_ms={self.deadline_batch_ms}"
             )
-        for name in ("queue_depth", "miss_rate"):
-            up, down = getattr(self, f"degrade_up_{name}"), getattr(self, f"degrade_down_{name}")
-            if any(d >= u for u, d in zip(up, down, strict=True)):
-                raise ValueError(
-                    f"degrade_down_{name}={list(down)} must be below degrade_up_{name}={list(up)}"
-                )
         if any(not 0 <= r <= 1 for r in (*self.degrade_up_miss_rate, *self.degrade_down_miss_rate)):
             raise ValueError(
                 f"degrade_up_miss_rate={list(self.degrade_up_miss_rate)} and degrade_down_miss_rate="
