@@ -111,6 +111,23 @@ def test_a_restarted_shadow_reads_live_replies_from_where_its_sampler_resumes() 
     assert plan.live_replies_from({}, NOW) == NOW - skew
 
 
+def test_a_request_the_intake_sent_on_is_replayed_once() -> None:
+    """A record without a key, or off its key's partition, was sent on by the live intake with the
+    same bytes to the partition its key hashes to: the original is left out when that copy is in the
+    range, kept when it is not (the copy fell after ``--to``)."""
+    home = {b"alice": 1, b"bob": 0}.__getitem__
+    records = [
+        (0, None, b"unkeyed"),  # 0: sent on ...
+        (1, b"alice", b"unkeyed"),  # 1: ... here: replayed
+        (0, b"alice", b"off home"),  # 2: sent on, its copy after the range: kept
+        (0, b"bob", b"served"),  # 3: on its home partition
+        (1, b"alice", b"served"),  # 4: the same bytes again, on its home: both were served live
+        (0, None, None),  # 5: an empty record: rejected where it landed
+    ]
+    assert plan.sent_on_originals(records, home) == {0}
+    assert plan.sent_on_originals(records[1:], home) == set()
+
+
 def test_rewrite_keeps_the_request_but_its_reply_to() -> None:
     live = ReplyToPolicy(TopicNames("surge."), "surge")
     req = {

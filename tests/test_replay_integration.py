@@ -95,6 +95,14 @@ async def test_replay_finds_its_range_leaves_live_state_alone_and_repeats_itself
     inside.append(request("tight", "u1", "tight deadline", deadline_ms=1, created_at=now_ms() - 50))
     inside.append(request("bad-reply-to", "u2", "hi", reply_to=d.topics.work("realtime")))
     await send(inside)
+    # written without a key: the live intake sends it on to its user's partition, so the range holds
+    # it twice (as written, and as sent on); the replay asks the model once, as live traffic did
+    unkeyed = request("unkeyed", "u0", "a question written without a key", created_at=now_ms())
+    unkeyed["reply_to"] = c.reply_topic
+    fut = c.expect(unkeyed["request_id"])
+    await c.send_raw(None, json.dumps(unkeyed).encode())
+    await d.replies([fut], 60)
+    inside.append(unkeyed)
     await c.send_raw(b"u1", b"not json at all")
     await asyncio.sleep(1.2)
     to_ms = now_ms()
@@ -130,7 +138,8 @@ async def test_replay_finds_its_range_leaves_live_state_alone_and_repeats_itself
     keys = {k[1] for k in first.replies}
     assert keys == {r["request_id"] for r in inside}
     rep = first.report
-    assert rep["replay"]["records"] == len(inside) + 1  # and the record that is not JSON
+    # and the record that is not JSON; the unkeyed request's original is left out (its copy is in)
+    assert rep["replay"]["records"] == len(inside) + 1
     assert rep["counts"] == {
         "replayed": len(inside),
         "joined": len(inside),

@@ -315,6 +315,26 @@ def rewrite_request(raw: bytes | None, replay_replies: str, live_policy: ReplyTo
     return Copy(value, (uid, rid), live_topic)
 
 
+def sent_on_originals(
+    records: Sequence[tuple[int, bytes | None, bytes | None]], home: Callable[[bytes], int]
+) -> set[int]:
+    """The indexes of ``(partition, key, value)`` request records the live intake sent on rather than
+    served: those without a key or off the partition their key hashes to (``home``), whose value
+    also lies in the range on its home partition (the copy the intake sent there). The copy is the
+    one live traffic answered; replaying both would ask the model twice for one request. An original
+    whose copy fell outside the range is kept: it is the only record of its request in the range."""
+
+    def on_home(partition: int, key: bytes | None) -> bool:
+        return key is not None and partition == home(key)
+
+    homed = {value for partition, key, value in records if value is not None and on_home(partition, key)}
+    return {
+        i
+        for i, (partition, key, value) in enumerate(records)
+        if value is not None and not on_home(partition, key) and value in homed
+    }
+
+
 def parse_sets(items: Sequence[str], field_names: Sequence[str]) -> dict[str, str]:
     """``["max_batch_size=16", "SURGE_FAQ_CONFIDENCE_FLOOR=0.5"]`` → ``{field: value}``; identity keys
     and unknown fields are refused."""

@@ -36,6 +36,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.partitioner import DefaultPartitioner
 from tqdm import tqdm
 
 from pipeline.client import TopicReader, partitions_of
@@ -454,6 +455,11 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
     finally:
         await consumer.stop()
     rules = await read_live_rules(s, live_t.risk_rules) if risk else []
+    if not risk:
+        dropped = plan.sent_on_originals(
+            [(r.partition, r.key, r.value) for r in records], home=lambda key: _home(key, len(parts))
+        )
+        records = [r for i, r in enumerate(records) if i not in dropped]
     if not records:
         raise ReplayError(
             f"no records on {source!r} between {opts.from_ms} and {opts.to_ms} ms "
@@ -630,6 +636,15 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
         )
         print(f"report: {report_path}  plot: {plot_path}")
     return ReplayResult(report, report_path, plot_path, names, replies)
+
+
+_PARTITIONER = DefaultPartitioner()
+
+
+def _home(key: bytes, partitions: int) -> int:
+    """The partition records keyed ``key`` go to (murmur2, as the live intake's producer)."""
+    parts = list(range(partitions))
+    return int(_PARTITIONER(key, parts, parts))
 
 
 def _event_id(raw: bytes | None) -> str | None:
