@@ -1,7 +1,9 @@
 """The intake agent: decode, validate, rate-limit, answer exact repeats, forward by class.
 
-Reads ``surge.requests``; for each record exactly one of: an error reply (+ a dead letter for bad
-input), the reply recorded for it before (a redelivery), a cached reply, the level-3 template
+Reads ``surge.requests``; where requests must be signed (``kafka_request_auth``), checks each record's
+signature first and serves it as its key's tenant, tier and priority (:func:`pipeline.auth.authorize`).
+Then, for each record exactly one of: an error reply (+ a dead letter for bad input, an unsigned
+record included), the reply recorded for it before (a redelivery), a cached reply, the level-3 template
 (agents/shed.py), or a WorkItem on ``surge.work.<priority>``. The record's offset is acked, in offset order, only after what it
 produced has been acknowledged by the broker (docs/architecture.md, "The path of a request").
 """
@@ -19,6 +21,7 @@ from faust.types import EventT, TableT
 from agents.runtime import Runtime, unacked
 from agents.shed import template_at_intake
 from pipeline.app import table_store_options
+from pipeline.auth import authorize, header_list, request_signers
 from pipeline.cache import AnswerCache
 from pipeline.compat import scan_partition
 from pipeline.exceptions import DeadlineExceededError, InvalidRequestError, RateLimitedError
@@ -66,6 +69,8 @@ class Intake:
         self.table = ratelimit_table
         self.sweeps = SweepSchedule()
         self.swept = 0
+        #: who may sign a request record; None where records are taken as written (``open``)
+        self.signers = request_signers(rt.settings) if rt.settings.requests_signed else None
 
     async def handle(self, stream: faust.StreamT, event: EventT) -> None:
         """Process one record; its ack follows once its outputs are on the broker."""
@@ -79,9 +84,13 @@ class Intake:
         rt.intake_backlog.record(msg.tp, msg.offset, now_ms())
         futures: list[Awaitable[Any]] = []
         try:
+            # the signature first: nothing of an unsigned record is served or forwarded
+            signer = None if self.signers is None else self.signers.verify(msg.headers, msg.value)
             req = decode_request(
                 msg.value, msg.key, max_record_bytes=s.max_record_bytes, max_content_bytes=s.max_content_bytes
             )
+            if signer is not None:
+                req = authorize(req, signer)
             if req.model is not None and req.model not in s.accepted_models():
                 raise InvalidRequestError(
                     f"unknown model {req.model[:80]!r}; this deployment serves "
@@ -98,8 +107,12 @@ class Intake:
             # user_id, and handled when it comes back on that partition. Served where they landed,
             # one user's records sprayed over N partitions met N buckets (docs/architecture.md,
             # "Security")
+            # sent with its headers: its signature, over the same value, verifies again there
             assert msg.value is not None  # decode_request refused an empty record
-            rt.acker.ack_after([ticket], [await rt.send(rt.topics.requests, req.user_id, msg.value)])
+            forwarded = await rt.send(
+                rt.topics.requests, req.user_id, msg.value, headers=header_list(msg.headers)
+            )
+            rt.acker.ack_after([ticket], [forwarded])
             return
         recorded = rt.recorded(req, reply_to)
         if recorded is not None:

@@ -10,6 +10,10 @@ takes the replies it waits for), publishes the final decision and only then fini
 worker killed while it waits leaves the record uncommitted, and whoever reads it next decides it again:
 asking again under the same request id while the event's budget lasts (the request path answers what it
 recorded the first time), else locally.
+
+Each request is signed (:func:`pipeline.auth.escalation_signer`, a secret derived from the escalation
+key), whether or not the request workers ask for signatures: where they do, they accept it as tenant
+``risk_escalation_tenant``, tier premium, up to real time (docs/architecture.md, "Tenant isolation").
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from faust.types import EventT
 
 from agents.acks import Ticket
 from agents.runtime import Runtime, unacked
+from pipeline.auth import escalation_signer_of, sign
 from pipeline.client import partitions_of
 from pipeline.kafka_security import client_options
 from pipeline.metrics import RiskMetrics
@@ -69,6 +74,8 @@ class Escalations:
         self.policy = policy_of(s)
         self.enabled = s.risk_escalation_enabled
         self.key = s.risk_escalation_key.get_secret_value().encode() if s.risk_escalation_key else None
+        #: signs the requests (None without a key, when the agent sends none)
+        self.signer = escalation_signer_of(s)
         self.reply_topic = s.risk_escalation_replies
         #: replies awaited, by request id
         self.waiting: dict[str, asyncio.Future[dict[str, Any]]] = {}
@@ -202,7 +209,9 @@ class Escalations:
         if fut is None or fut.done():  # a copy of the same case already waiting shares its reply
             fut = self.waiting[rid] = asyncio.get_running_loop().create_future()
         self.escalated += 1
-        sent = await rt.send(rt.topics.requests, account, jsonio.dumps(req))
+        value = jsonio.dumps(req)
+        assert self.signer is not None  # set with the key
+        sent = await rt.send(rt.topics.requests, account, value, headers=sign(self.signer, value))
         try:
             reply: dict[str, Any] | None = await asyncio.wait_for(
                 asyncio.shield(fut), self.policy.wait_s(produced, asked_ms)

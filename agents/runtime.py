@@ -151,14 +151,22 @@ class Runtime:
         return int(_PARTITIONER(key, parts, parts))
 
     async def send(
-        self, topic: str, key: str | bytes | None, value: bytes, *, reply: bool = False
+        self,
+        topic: str,
+        key: str | bytes | None,
+        value: bytes,
+        *,
+        reply: bool = False,
+        headers: list[tuple[str, bytes]] | None = None,
     ) -> Awaitable[Any]:
         """Enqueue one record; returns an awaitable that resolves when the broker has acked it,
         sending again (up to ``SEND_ATTEMPTS`` times, with backoff) when the broker refused it.
-        ``reply``: a reply to a client's own topic, dead-lettered if that topic is gone."""
+        ``reply``: a reply to a client's own topic, dead-lettered if that topic is gone. ``headers``:
+        sent with the record and with every retry (a forwarded request keeps its signature,
+        docs/architecture.md "Tenant isolation")."""
         k = key.encode() if isinstance(key, str) else key
-        fut = await self.topic(topic).send(key=k, value=value)
-        return _Delivery(self, topic, k, value, fut, reply)
+        fut = await self.topic(topic).send(key=k, value=value, headers=headers)
+        return _Delivery(self, topic, k, value, fut, reply, headers)
 
     async def publish(
         self,
@@ -374,13 +382,21 @@ class Runtime:
 class _Delivery:
     """The broker's acknowledgement of one record, re-sent on failure (awaitable, no task)."""
 
-    __slots__ = ("fut", "key", "reply", "rt", "topic", "value")
+    __slots__ = ("fut", "headers", "key", "reply", "rt", "topic", "value")
 
     def __init__(
-        self, rt: Runtime, topic: str, key: bytes | None, value: bytes, fut: Awaitable[Any], reply: bool
+        self,
+        rt: Runtime,
+        topic: str,
+        key: bytes | None,
+        value: bytes,
+        fut: Awaitable[Any],
+        reply: bool,
+        headers: list[tuple[str, bytes]] | None = None,
     ) -> None:
         self.rt, self.topic, self.key, self.value, self.fut = rt, topic, key, value, fut
         self.reply = reply
+        self.headers = headers
 
     def __await__(self) -> Any:
         return self._wait().__await__()
@@ -404,7 +420,9 @@ class _Delivery:
                     "send to %s failed (%r), attempt %d of %d", self.topic, exc, attempt, SEND_ATTEMPTS
                 )
                 await asyncio.sleep(0.2 * 2**attempt)
-                self.fut = await self.rt.topic(self.topic).send(key=self.key, value=self.value)
+                self.fut = await self.rt.topic(self.topic).send(
+                    key=self.key, value=self.value, headers=self.headers
+                )
         raise AssertionError("unreachable")
 
 

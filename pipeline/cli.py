@@ -8,10 +8,14 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline.devtools.bench import SCENARIOS
 from pipeline.exceptions import SurgeError
 from pipeline.terms import PRIORITIES, TIERS, Priority, Tier
+
+if TYPE_CHECKING:
+    from pipeline.auth import ApiKey
 
 
 def _settings(**overrides: object):
@@ -118,6 +122,26 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+#: the environment variable ``surge send --api-key`` defaults to
+SEND_API_KEY_ENV = "SURGE_SEND_API_KEY"
+
+
+def send_signer(presented: str | None) -> ApiKey | None:
+    """The key ``surge send`` signs with: ``--api-key``, else :data:`SEND_API_KEY_ENV`, else none;
+    :class:`~pipeline.exceptions.InvalidRequestError` when it cannot be a key."""
+    import os
+
+    from pipeline.auth import KEY_RE, ApiKey
+    from pipeline.exceptions import InvalidRequestError
+
+    key = presented if presented is not None else os.environ.get(SEND_API_KEY_ENV)
+    if not key:
+        return None
+    if not KEY_RE.fullmatch(key):
+        raise InvalidRequestError("--api-key must be 1-256 printable ASCII characters without spaces")
+    return ApiKey(key=key)
+
+
 def cmd_send(args: argparse.Namespace) -> int:
     import uuid
 
@@ -128,12 +152,14 @@ def cmd_send(args: argparse.Namespace) -> int:
 
     s = _settings()
     t = TopicNames(s.topic_prefix)
+    signer = send_signer(args.api_key)
+    # tenant, tier and priority only when given: left out, a signed record gets its key's, an
+    # unsigned one the record's defaults (default, standard, interactive)
+    chosen = {"tenant": args.tenant, "tier": args.tier, "priority": args.priority}
     req = {
         "request_id": args.request_id or uuid.uuid4().hex,
         "user_id": args.user,
-        "tenant": args.tenant,
-        "tier": args.tier,
-        "priority": args.priority,
+        **{k: v for k, v in chosen.items() if v is not None},
         "prompt": args.prompt,
         "max_tokens": args.max_tokens,
     }
@@ -144,7 +170,11 @@ def cmd_send(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         async with SurgeClient(
-            s.bootstrap_servers, requests_topic=t.requests, reply_topic=t.replies, security=client_options(s)
+            s.bootstrap_servers,
+            requests_topic=t.requests,
+            reply_topic=t.replies,
+            security=client_options(s),
+            signer=signer,
         ) as c:
             reply = await c.request(req, timeout_s=args.timeout_s)
         print(reply.model_dump_json(exclude_none=True, indent=2))
@@ -300,9 +330,27 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("send", help="send one request and print its reply")
     s.add_argument("prompt")
     s.add_argument("--user", default="cli-user")
-    s.add_argument("--tenant", default="default")
-    s.add_argument("--tier", default=Tier.STANDARD.value, choices=TIERS)
-    s.add_argument("--priority", default=Priority.INTERACTIVE.value, choices=PRIORITIES)
+    s.add_argument(
+        "--tenant", default=None, help="default: the API key's when signed, else 'default' (the record's)"
+    )
+    s.add_argument(
+        "--tier",
+        default=None,
+        choices=TIERS,
+        help=f"default: the API key's when signed, else {Tier.STANDARD.value} (the record's)",
+    )
+    s.add_argument(
+        "--priority",
+        default=None,
+        choices=PRIORITIES,
+        help=f"default: the API key's highest when signed, else {Priority.INTERACTIVE.value} (the record's)",
+    )
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help=f"sign the record with this API key (default: ${SEND_API_KEY_ENV}, else unsigned); a "
+        "deployment with SURGE_API_KEYS serves only signed records (SURGE_KAFKA_REQUEST_AUTH)",
+    )
     s.add_argument("--max-tokens", type=int, default=256)
     s.add_argument("--request-id", default=None)
     s.add_argument("--timeout-s", type=_positive_seconds, default=30.0, help="how long to wait for the reply")

@@ -21,6 +21,7 @@ from typing import Any, Generic, Self, TypeVar
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
+from pipeline.auth import ApiKey, sign
 from pipeline.compat import refresh_metadata, track_sent_topics
 from pipeline.exceptions import BrokerError, TopicMissingError
 from pipeline.records import InferenceReply, now_ms
@@ -170,8 +171,11 @@ class SurgeClient(ReplyClient[InferenceReply]):
         from_beginning: bool = False,
         keep_replies: bool = True,
         security: Mapping[str, Any] | None = None,
+        signer: ApiKey | None = None,
     ) -> None:
-        """``security``: aiokafka's TLS/SASL options, :func:`pipeline.kafka_security.client_options`."""
+        """``security``: aiokafka's TLS/SASL options, :func:`pipeline.kafka_security.client_options`.
+        ``signer``: the API key each request is signed with (:func:`pipeline.auth.sign`), for a
+        deployment that wants signed records (``kafka_request_auth``); None: unsigned."""
         auth = dict(security or {})
         super().__init__(
             AIOKafkaProducer(
@@ -194,6 +198,7 @@ class SurgeClient(ReplyClient[InferenceReply]):
         #: keep every reply in ``replies`` (tests, the demo); a long-running gateway turns it off
         self.keep_replies = keep_replies
         self.replies: list[InferenceReply] = []
+        self.signer = signer
 
     async def _read(self) -> None:
         async for msg in self.consumer:
@@ -208,19 +213,32 @@ class SurgeClient(ReplyClient[InferenceReply]):
                 self.on_reply(reply)
             self._answered(reply.request_id, reply)
 
-    async def send_raw(self, key: bytes | None, value: bytes) -> None:
-        """Produce raw bytes to the request topic (for bad-input tests and replays)."""
-        await self.producer.send_and_wait(self.requests_topic, value=value, key=key)
+    async def send_raw(
+        self, key: bytes | None, value: bytes, headers: list[tuple[str, bytes]] | None = None
+    ) -> None:
+        """Produce raw bytes (and ``headers``) to the request topic (for bad-input tests and replays)."""
+        await self.producer.send_and_wait(self.requests_topic, value=value, key=key, headers=headers)
 
-    async def submit(self, request: dict[str, Any]) -> asyncio.Future[InferenceReply]:
-        """Send one request (a dict in the InferenceRequest format); returns the future of its reply."""
+    async def produce(self, request: dict[str, Any], signer: ApiKey | None = None) -> asyncio.Future[Any]:
+        """Enqueue one request record, keyed by its user_id and signed with ``signer`` (default: the
+        client's own, if any); the future of the broker's acknowledgement."""
+        value = json.dumps(request).encode()
+        signer = signer or self.signer
+        headers = sign(signer, value) if signer is not None else None
+        return await self.producer.send(
+            self.requests_topic, value=value, key=request["user_id"].encode(), headers=headers
+        )
+
+    async def submit(
+        self, request: dict[str, Any], *, signer: ApiKey | None = None
+    ) -> asyncio.Future[InferenceReply]:
+        """Send one request (a dict in the InferenceRequest format), signed with ``signer`` (default:
+        the client's own, if any); returns the future of its reply."""
         request = dict(request)
         request.setdefault("created_at", now_ms())
         request.setdefault("reply_to", self.reply_topic)
         fut = self.expect(request["request_id"])
-        await self.producer.send(
-            self.requests_topic, value=json.dumps(request).encode(), key=request["user_id"].encode()
-        )
+        await self.produce(request, signer)
         return fut
 
     async def request(self, request: dict[str, Any], timeout_s: float = 30.0) -> InferenceReply:

@@ -108,6 +108,12 @@ class PermissionDeniedError(SurgeError):
         self.allowed = allowed
 
 
+class RequestSignatureError(InvalidRequestError):
+    """A record on the request topic without a valid signature, where requests must be signed
+    (``kafka_request_auth``): says what is wrong and how to sign, never a key. Its reply code is
+    ``invalid_request``, one of the codes the record format allows (docs/architecture.md, "Security")."""
+
+
 class ModelError(SurgeError):
     """A model call failed for this input; permanent unless a subclass says otherwise.
 

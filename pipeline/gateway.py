@@ -16,7 +16,9 @@ word-boundary chunks. Tokens are not streamed from the model, and errors are pla
 
 Each request's tenant, tier and highest priority come from its API key (``SURGE_API_KEYS``, keys
 compared in constant time; :mod:`pipeline.auth`), the ``user`` it names is namespaced under the
-tenant, and a level-3 template is marked as one (``X-Surge-Served-From``, ``finish_reason``): see
+tenant (and each record is signed with the caller's key, :func:`pipeline.auth.sign`, so that workers
+that want signed records, ``kafka_request_auth``, serve it as that key's), and a level-3 template is
+marked as one (``X-Surge-Served-From``, ``finish_reason``): see
 :mod:`pipeline.gateway_format` and docs/architecture.md "Security". The in-flight bound is checked
 before the body is read, and a request counts against it from then on.
 
@@ -258,7 +260,7 @@ class Gateway:
                 )
             except (InvalidRequestError, PermissionDeniedError) as exc:
                 raise HttpError(exc.code, exc.message) from exc
-            reply = await self._round_trip(call)
+            reply = await self._round_trip(call, key)
         except HttpError as exc:
             return self._finish(
                 error_response(exc.code, exc.message, exc.retry_after_ms, request_id),
@@ -291,16 +293,15 @@ class Gateway:
         await sse.write_eof()
         return self._finish(sse, call, reply, t0, None)
 
-    async def _round_trip(self, call: ChatCall) -> InferenceReply:
-        """Produce the request (acked by the broker) and await its reply, at most gateway_timeout_ms."""
+    async def _round_trip(self, call: ChatCall, key: ApiKey) -> InferenceReply:
+        """Produce the request (acked by the broker), signed with the caller's key when it has one,
+        and await its reply, at most gateway_timeout_ms."""
         req = call.request
         rid = req["request_id"]
         fut = self.client.expect(rid)
         try:
             try:
-                delivery = await self.client.producer.send(
-                    self.client.requests_topic, value=json.dumps(req).encode(), key=req["user_id"].encode()
-                )
+                delivery = await self.client.produce(req, signer=key if key.key else None)
                 await delivery
             except Exception as exc:
                 raise HttpError(

@@ -452,6 +452,14 @@ class Settings(BaseSettings):
         description="gateway keys: comma list key:tenant[:tier[:max_priority]] or JSON; "
         "empty: no key needed, everyone is tenant default (development only)",
     )
+    kafka_request_auth: Literal["auto", "signed", "open"] = Field(
+        "auto",
+        description="records written straight to the request topic: signed: each must carry an API key's "
+        "id and an HMAC of its value (headers surge-key-id, surge-signature), and its key's tenant, tier "
+        "and highest priority apply as in the gateway; open: the record's tenant, tier and priority are "
+        "taken as written (the topic's ACLs are the only boundary; development); auto: signed when "
+        "api_keys is set, else open",
+    )
     gateway_max_in_flight: int = Field(
         0, ge=0, description="requests a gateway waits on at once before answering 503; 0 = no bound"
     )
@@ -555,7 +563,8 @@ class Settings(BaseSettings):
         description="secret that escalation request ids are derived from (the same on every risk worker): "
         "a client without it cannot predict an id and plant an answer in the reply book; a risk worker "
         "with a key reads the escalated cases, so keep it after turning escalation off until they are "
-        "decided",
+        "decided; request workers that want signed records need it too, to accept escalation requests "
+        "(signed with a secret derived from it)",
     )
     risk_escalation_min_score: float = Field(
         0.3, ge=0, le=1, description="an approve with a model score at least this is escalated too"
@@ -715,9 +724,14 @@ class Settings(BaseSettings):
         from pipeline.exceptions import ApiKeyConfigError
 
         try:
-            parse_api_keys(self.api_keys)
+            keys = parse_api_keys(self.api_keys)
         except ApiKeyConfigError as exc:
             raise ValueError(exc.message) from exc
+        if self.kafka_request_auth == "signed" and not keys:
+            raise ValueError(
+                "kafka_request_auth='signed' needs api_keys (SURGE_API_KEYS): a signed record names one "
+                "of its keys; set them, or kafka_request_auth='open' for development"
+            )
         proto = self.kafka_security_protocol
         if proto.startswith("SASL_") and not (self.kafka_sasl_username and self.kafka_sasl_password):
             raise ValueError(
@@ -819,6 +833,15 @@ class Settings(BaseSettings):
             "offline": self.deadline_offline_ms,
         }[priority]
         return value or None
+
+    @property
+    def requests_signed(self) -> bool:
+        """Whether records on the request topic must be signed (``kafka_request_auth``; ``auto``: when
+        API keys are configured). A property, not cached: ``model_copy`` would carry a stale value
+        (docs/architecture.md, "Tenant isolation")."""
+        if self.kafka_request_auth == "auto":
+            return bool(self.api_keys.strip())
+        return self.kafka_request_auth == "signed"
 
     def api_key_tenants(self) -> dict[str, str]:
         """``{api_key: tenant}`` parsed from ``api_keys`` (:func:`pipeline.auth.parse_api_keys` has tiers too)."""

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from pipeline import cli
+from pipeline.auth import KEY_ID_HEADER, sign
 from pipeline.cli import build_parser
+from pipeline.exceptions import InvalidRequestError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +61,23 @@ def test_send_flags() -> None:
     assert (args.max_tokens, args.request_id, args.timeout_s) == (64, "r-1", 2.5)
     assert args.fn is cli.cmd_send
     default = parse("send", "hi")
-    assert (default.tier, default.priority, default.max_tokens) == ("standard", "interactive", 256)
+    # left out of the record unless given: the record's defaults, or a signing key's own
+    assert (default.tenant, default.tier, default.priority, default.max_tokens) == (None, None, None, 256)
+    assert default.api_key is None
+    assert parse("send", "hi", "--api-key", "k-1").api_key == "k-1"
+
+
+def test_send_signs_with_the_flag_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cli.SEND_API_KEY_ENV, raising=False)
+    assert cli.send_signer(None) is None
+    monkeypatch.setenv(cli.SEND_API_KEY_ENV, "k-env")
+    env_key = cli.send_signer(None)
+    assert env_key is not None and env_key.key == "k-env"
+    flag_key = cli.send_signer("k-flag")
+    assert flag_key is not None and flag_key.key == "k-flag", "the flag wins over the environment"
+    assert dict(sign(flag_key, b"{}"))[KEY_ID_HEADER] == flag_key.key_id.encode()
+    with pytest.raises(InvalidRequestError, match="printable ASCII"):
+        cli.send_signer("has a space")
 
 
 def test_tail_flags() -> None:

@@ -587,7 +587,7 @@ async def test_the_in_flight_bound_applies_before_the_body_is_read(stack: Stack)
 @pytest.mark.integration
 async def test_a_template_answer_is_marked_where_an_openai_client_sees_it(stack: Stack) -> None:
     d = stack.slow
-    c = await d.client()
+    c = await d.client(signer=ApiKey("k-old"))  # the workers have keys: records must be signed
     backlog = [
         {
             "request_id": f"flood-{i}",
@@ -651,7 +651,7 @@ def http_get(url: str) -> tuple[int, str]:
 @pytest.mark.integration
 async def test_the_worker_web_port_serves_no_table_or_internal_views(stack: Stack) -> None:
     d = stack.main
-    c = await d.client()
+    c = await d.client(signer=ApiKey("k-old"))  # the workers have keys: records must be signed
     reply = await c.request(
         {"request_id": "web-1", "user_id": "acme/web-user", "prompt": "my secret question"}
     )

@@ -154,7 +154,7 @@ class _Consumer:
         self.batches = [
             {
                 TP: [
-                    SimpleNamespace(key=b"u", value=v, partition=0, offset=i, timestamp=1000 + i)
+                    SimpleNamespace(key=b"u", value=v, partition=0, offset=i, timestamp=1000 + i, headers=())
                     for i, v in enumerate([*values, b"not json"])
                 ]
             }

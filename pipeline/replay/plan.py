@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from pipeline.exceptions import SurgeError
+from pipeline.auth import Headers, KeyRing, header_list, resign
+from pipeline.exceptions import RequestSignatureError, SurgeError
 from pipeline.replyto import ReplyToPolicy
 from pipeline.topics import TopicNames
 
@@ -288,31 +289,59 @@ class Copy:
     ids: tuple[str, str] | None
     #: where live traffic answered it
     live_reply_topic: str | None
+    #: the headers the copy is written with (a rewritten value signed again, :func:`resigned`)
+    headers: tuple[tuple[str, bytes], ...] = ()
 
 
-def rewrite_request(raw: bytes | None, replay_replies: str, live_policy: ReplyToPolicy) -> Copy:
+def resigned(
+    headers: Headers, original: bytes, value: bytes, signers: KeyRing | None
+) -> tuple[tuple[str, bytes], ...]:
+    """The headers of a copy whose value is ``value`` in place of ``original``: when ``original``'s
+    signature verifies with the live deployment's ``signers``, the signature headers are replaced by
+    the same key's signature of ``value`` (its ``reply_to`` rewritten, the old one no longer matches);
+    otherwise they are kept as they are, so a copy of a record live traffic refused is refused by the
+    replay as well. ``signers`` None (live takes records as written): kept as they are."""
+    kept = tuple(header_list(headers) or ())
+    if signers is None:
+        return kept
+    try:
+        key = signers.verify(headers, original)
+    except RequestSignatureError:
+        return kept
+    return tuple(resign(headers, key, value))
+
+
+def rewrite_request(
+    raw: bytes | None,
+    replay_replies: str,
+    live_policy: ReplyToPolicy,
+    headers: Headers = None,
+    signers: KeyRing | None = None,
+) -> Copy:
     """The copy of one live request record: ``reply_to`` becomes the replay's replies topic when live
     traffic accepted it; everything else (request_id, created_at, ...) is kept. A ``reply_to`` live
     traffic refused is kept as it was (the replay refuses it too and answers on its own replies
-    topic); a record that is not a JSON object is copied byte for byte."""
+    topic); a record that is not a JSON object is copied byte for byte. ``headers`` go with the copy,
+    signed again where the value changed (:func:`resigned`, with the live ``signers``)."""
     from pipeline.records import salvage_ids
 
+    as_is = tuple(header_list(headers) or ())
     ids = salvage_ids(raw)
     if ids is None:
-        return Copy(raw or b"", None, None)
+        return Copy(raw or b"", None, None, as_is)
     rid, uid, reply_to = ids
     live_topic = live_policy.safe(reply_to)
     try:
         data = json.loads(raw or b"")
     except ValueError:  # salvage_ids read it; stay safe anyway
-        return Copy(raw or b"", (uid, rid), live_topic)
+        return Copy(raw or b"", (uid, rid), live_topic, as_is)
     original = data.get("reply_to")
     accepted = original is None or live_policy.safe(original) == original
     if not accepted:
-        return Copy(raw or b"", (uid, rid), live_topic)
+        return Copy(raw or b"", (uid, rid), live_topic, as_is)
     data["reply_to"] = replay_replies
     value = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    return Copy(value, (uid, rid), live_topic)
+    return Copy(value, (uid, rid), live_topic, resigned(headers, raw or b"", value, signers))
 
 
 def sent_on_originals(

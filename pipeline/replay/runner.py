@@ -39,6 +39,7 @@ from aiokafka.errors import TopicAlreadyExistsError
 from aiokafka.partitioner import DefaultPartitioner
 from tqdm import tqdm
 
+from pipeline.auth import request_signers
 from pipeline.client import TopicReader, partitions_of
 from pipeline.compat import track_sent_topics
 from pipeline.devtools.broker import free_port
@@ -419,9 +420,10 @@ class _Rec:
 
     __slots__ = ("_surge_key", "headers", "key", "offset", "partition", "timestamp", "value")
 
-    def __init__(self, rec: Any, key: Any) -> None:
+    def __init__(self, rec: Any, key: Any, headers: Any = None) -> None:
+        """``headers``: what the copy is sent with, when not the record's own (a rewritten request's)."""
         self.key, self.value, self.partition, self.offset = rec.key, rec.value, rec.partition, rec.offset
-        self.timestamp, self.headers = rec.timestamp, rec.headers
+        self.timestamp, self.headers = rec.timestamp, rec.headers if headers is None else headers
         self._surge_key = key
 
 
@@ -472,6 +474,8 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
 
     # the copies and the keys they are joined on
     live_policy = ReplyToPolicy(live_t, s.app_id, s.reply_topic_pattern)
+    # a copy's reply_to is rewritten: one live signed, the replay signs again with the same key
+    signers = request_signers(s) if s.requests_signed else None
     copies: list[tuple[Any, bytes]] = []
     live_reply_topics: set[str] = set()
     expected: list[Any] = []
@@ -482,8 +486,8 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
             if ids is not None:
                 expected.append(ids)
         else:
-            c: Copy = plan.rewrite_request(rec.value, own_t.replies, live_policy)
-            copies.append((_Rec(rec, c.ids), c.value))
+            c: Copy = plan.rewrite_request(rec.value, own_t.replies, live_policy, rec.headers, signers)
+            copies.append((_Rec(rec, c.ids, c.headers), c.value))
             if c.ids is not None:
                 expected.append(c.ids)
                 if c.live_reply_topic:

@@ -39,6 +39,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPa
 from aiokafka.errors import CommitFailedError
 
 from pipeline.admin import ensure_topics
+from pipeline.auth import request_signers
 from pipeline.client import partitions_of
 from pipeline.compat import track_sent_topics
 from pipeline.devtools.deployment import load_settings
@@ -122,6 +123,8 @@ class Shadow:
         #: written once the shadow mirrors, removed when it starts and when it ends
         self.ready_path = self.out_dir / "READY"
         self.live_policy = ReplyToPolicy(self.live_t, s.app_id, s.reply_topic_pattern)
+        #: a copy's reply_to is rewritten: one live signed, the shadow signs again with the same key
+        self.signers = request_signers(s) if s.requests_signed else None
         self.env = opts.worker_env(
             s, self.names, self.out_dir, partitions=partitions or s.partitions, role="all"
         )
@@ -321,7 +324,9 @@ class Shadow:
         if ids is None or not plan.sampled(ids[0], self.opts.percent):
             return None
         self.counts["sampled"] += 1
-        copy = plan.rewrite_request(rec.value, self.own_t.replies, self.live_policy)
+        copy = plan.rewrite_request(
+            rec.value, self.own_t.replies, self.live_policy, rec.headers, self.signers
+        )
         wait = throttle.delay()
         if wait > 0:
             await asyncio.sleep(wait)
@@ -331,6 +336,7 @@ class Shadow:
             key=rec.key,
             partition=rec.partition,
             timestamp_ms=rec.timestamp,
+            headers=list(copy.headers),
         )
         if copy.ids is not None:
             self.sampled.put(copy.ids, time.monotonic())

@@ -1,0 +1,294 @@
+"""Signed records on the request topic (docs/architecture.md, "Tenant isolation"): a record written
+straight to ``surge.requests`` names an API key and carries an HMAC of its value; the intake serves it
+as that key's tenant, with at most that key's tier and priority.
+
+Pure parts first (signing, verifying, the grant, the escalation signer, the replay's re-signing), then
+one real worker on the real broker with ``SURGE_API_KEYS`` set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from typing import Any
+
+import pytest
+
+from pipeline.auth import (
+    ESCALATION_KEY_ID,
+    KEY_ID_HEADER,
+    SIGNATURE_HEADER,
+    ApiKey,
+    KeyRing,
+    authorize,
+    escalation_signer,
+    escalation_signer_of,
+    header_list,
+    parse_api_keys,
+    request_signers,
+    resign,
+    sign,
+)
+from pipeline.exceptions import InvalidRequestError, RequestSignatureError, SettingsError
+from pipeline.records import DeadLetter, InferenceRequest, decode_request
+from pipeline.replay import plan
+from pipeline.replyto import ReplyToPolicy
+from pipeline.settings import Settings
+from pipeline.topics import TopicNames
+from tests.conftest import RELAXED, request
+
+KEYS = "k-acme:acme:standard:interactive,k-beta:beta:premium:realtime"
+ACME, BETA = parse_api_keys(KEYS)
+RING = KeyRing([ACME, BETA])
+ESCALATION_KEY = "escalation-key-0123456789abcdef"
+
+
+def value_of(**fields: Any) -> bytes:
+    return json.dumps({"request_id": "r-1", "user_id": "u1", "prompt": "hi", **fields}).encode()
+
+
+def req_of(raw: bytes) -> InferenceRequest:
+    return decode_request(raw, None, max_record_bytes=1 << 20, max_content_bytes=1 << 20)
+
+
+# ---- signing and verifying (pure) ------------------------------------------------------------------
+
+
+def test_a_signature_is_the_hmac_of_the_exact_value_under_the_keys_hashed_id() -> None:
+    value = value_of()
+    headers = sign(ACME, value)
+    assert [name for name, _ in headers] == [KEY_ID_HEADER, SIGNATURE_HEADER]
+    key_id, sig = dict(headers)[KEY_ID_HEADER], dict(headers)[SIGNATURE_HEADER]
+    assert key_id == ("key-" + hashlib.sha256(b"k-acme").hexdigest()[:16]).encode() == ACME.key_id.encode()
+    assert sig == hmac.new(b"k-acme", value, hashlib.sha256).hexdigest().encode()
+    assert b"k-acme" not in key_id, "the key itself never travels"
+    assert RING.verify(headers, value) is ACME
+    assert RING.verify(tuple(headers), value) is ACME, "aiokafka hands headers over as a tuple"
+    assert RING.verify(dict(headers), value) is ACME
+    assert RING.verify([(KEY_ID_HEADER, key_id), (SIGNATURE_HEADER, sig.upper())], value) is ACME
+    with pytest.raises(ValueError, match="anonymous"):
+        sign(ApiKey(""), value)
+
+
+@pytest.mark.parametrize(
+    ("headers", "needle"),
+    [
+        (None, "not signed"),
+        ([], "not signed"),
+        ([("traceparent", b"00-ab")], "not signed"),
+        ([(KEY_ID_HEADER, ACME.key_id.encode())], f"no '{SIGNATURE_HEADER}' header"),
+        ([(SIGNATURE_HEADER, b"00")], f"no '{KEY_ID_HEADER}' header"),
+        (sign(ACME, value_of()) + sign(BETA, value_of()), f"2 '{KEY_ID_HEADER}' headers"),
+        ([*sign(ACME, value_of()), ("Surge-Signature", b"ab")], f"2 '{SIGNATURE_HEADER}' headers"),
+        ([(KEY_ID_HEADER, None), (SIGNATURE_HEADER, b"ab")], "must hold bytes"),
+        ([(KEY_ID_HEADER, 7), (SIGNATURE_HEADER, b"ab")], "must hold bytes"),
+        ([(KEY_ID_HEADER, b"key-0123456789abcdef"), (SIGNATURE_HEADER, b"ab")], "'key-0123456789abcdef'"),
+        (sign(ApiKey("k-elsewhere"), value_of()), "unknown key id"),
+        (sign(ApiKey("k-acme"), value_of(prompt="another")), "does not match the record's value"),
+        (
+            [(KEY_ID_HEADER, ACME.key_id.encode()), dict(sign(BETA, value_of())).popitem()],
+            "does not match",
+        ),
+        ([("x",), 5, (KEY_ID_HEADER,)], "not signed"),
+    ],
+)
+def test_a_record_not_signed_right_is_refused_saying_what_is_wrong_and_how_to_sign(
+    headers: Any, needle: str
+) -> None:
+    with pytest.raises(RequestSignatureError) as info:
+        RING.verify(headers, value_of())
+    assert needle in info.value.message
+    assert info.value.code == "invalid_request", "the record format's code for a refused record"
+    assert isinstance(info.value, InvalidRequestError)
+    assert "k-acme" not in info.value.message and "k-beta" not in info.value.message
+    if "not signed" in needle or "no '" in needle or "unknown" in needle or "match" in needle:
+        assert "HMAC-SHA256" in info.value.message, "the message says how to sign"
+
+
+def test_a_key_put_in_the_id_header_by_mistake_is_never_echoed() -> None:
+    with pytest.raises(RequestSignatureError) as info:
+        RING.verify([(KEY_ID_HEADER, b"k-acme"), (SIGNATURE_HEADER, b"ab")], value_of())
+    assert "k-acme" not in info.value.message and "not of the form key-" in info.value.message
+
+
+def test_a_tampered_value_fails_even_by_one_byte() -> None:
+    value = value_of(tenant="acme")
+    headers = sign(ACME, value)
+    assert RING.verify(headers, value) is ACME
+    for tampered in (value_of(tenant="beta"), value + b" ", value.replace(b'"hi"', b'"hI"')):
+        with pytest.raises(RequestSignatureError, match="does not match"):
+            RING.verify(headers, tampered)
+
+
+def test_header_list_keeps_well_formed_pairs_for_a_forward() -> None:
+    headers = [*sign(ACME, b"v"), ("odd", None), (b"bytes-name", b"x"), ("ok", bytearray(b"y"))]
+    assert header_list(headers) == [*sign(ACME, b"v"), ("ok", b"y")]
+    assert header_list(None) is None and header_list([]) is None
+
+
+# ---- what a signed record is served as (pure) --------------------------------------------------------
+
+
+def test_a_signed_record_is_served_as_its_keys_tenant_tier_and_priority() -> None:
+    served = authorize(req_of(value_of()), ACME)
+    assert (served.tenant, served.tier, served.priority) == ("acme", "standard", "interactive")
+    premium = authorize(req_of(value_of(tenant="beta")), BETA)
+    assert (premium.tenant, premium.tier, premium.priority) == ("beta", "premium", "realtime")
+    lowered = authorize(req_of(value_of(tier="free", priority="batch")), BETA)
+    assert (lowered.tenant, lowered.tier, lowered.priority) == ("beta", "free", "batch")
+    original = req_of(value_of())
+    assert authorize(original, BETA).digest == original.digest, "the digest covers what is asked"
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"tenant": "beta"}, "tenant 'beta' is not the tenant of the signing key ('acme')"),
+        ({"tenant": "default"}, "tenant 'default' is not the tenant"),
+        ({"tier": "premium"}, "tier up to 'standard', got 'premium'"),
+        ({"priority": "realtime"}, "priority up to 'interactive', got 'realtime'"),
+    ],
+)
+def test_a_signed_record_cannot_claim_another_tenant_or_raise_its_class(
+    fields: dict[str, str], needle: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        authorize(req_of(value_of(**fields)), ACME)
+    assert needle in info.value.message and info.value.code == "invalid_request"
+
+
+# ---- the risk workers' signer and the settings (pure) ------------------------------------------------
+
+
+def test_the_escalation_signer_is_premium_realtime_of_its_tenant_under_a_derived_secret() -> None:
+    signer = escalation_signer("the-escalation-key", "risk")
+    assert (signer.key_id, signer.tenant, signer.tier, signer.max_priority) == (
+        ESCALATION_KEY_ID,
+        "risk",
+        "premium",
+        "realtime",
+    )
+    assert signer.key != "the-escalation-key", "request ids and signatures use different secrets"
+    assert signer == escalation_signer("the-escalation-key", "risk"), "the same on every worker"
+    s = Settings(api_keys=KEYS, risk_escalation_key="the-escalation-key")
+    assert escalation_signer_of(s) == signer and escalation_signer_of(Settings()) is None
+    ring = request_signers(s)
+    record = {"request_id": "risk-1", "user_id": "acct-1", "tenant": "risk", "prompt": "case"}
+    value = json.dumps({**record, "tier": "premium", "priority": "realtime"}).encode()
+    key = ring.verify(sign(signer, value), value)
+    assert key is signer or key == signer
+    served = authorize(req_of(value), key)
+    assert (served.tenant, served.tier, served.priority) == ("risk", "premium", "realtime")
+    forged = escalation_signer("a guess", "risk")
+    with pytest.raises(RequestSignatureError, match="does not match"):
+        ring.verify(sign(forged, value), value)
+    assert request_signers(Settings(api_keys=KEYS)).by_id(ESCALATION_KEY_ID) is None
+    assert ring.lookup(signer.key) is not None and KeyRing(parse_api_keys(KEYS)).lookup(signer.key) is None
+
+
+def test_the_setting_signs_where_keys_are_set_and_refuses_signed_without_keys() -> None:
+    assert Settings().requests_signed is False
+    assert Settings(api_keys=KEYS).requests_signed is True
+    assert Settings(api_keys=KEYS, kafka_request_auth="open").requests_signed is False
+    with pytest.raises(SettingsError, match="kafka_request_auth='signed' needs api_keys"):
+        Settings.load(kafka_request_auth="signed")
+    with pytest.raises(SettingsError, match="kafka_request_auth"):
+        Settings.load(kafka_request_auth="maybe")
+    open_copy = Settings(api_keys=KEYS).model_copy(update={"kafka_request_auth": "open"})
+    assert open_copy.requests_signed is False, "computed each time: a copy never carries a stale value"
+
+
+# ---- a replay's copy of a signed record (pure) -------------------------------------------------------
+
+
+POLICY = ReplyToPolicy(TopicNames("surge."), "surge", r"surge\.replies\..*")
+
+
+def test_a_replayed_copy_is_signed_again_with_the_same_key() -> None:
+    value = value_of(reply_to="surge.replies.mine")
+    headers = [("traceparent", b"00-ab"), *sign(ACME, value)]
+    copy = plan.rewrite_request(value, "surge.replay-x.replies", POLICY, headers, RING)
+    assert json.loads(copy.value)["reply_to"] == "surge.replay-x.replies"
+    assert copy.headers[0] == ("traceparent", b"00-ab"), "other headers kept, in order"
+    assert RING.verify(copy.headers, copy.value) is ACME
+    assert [n for n, _ in copy.headers].count(SIGNATURE_HEADER) == 1
+
+
+def test_a_replayed_copy_of_a_record_live_refused_stays_refused() -> None:
+    value = value_of()
+    forged = sign(ApiKey("k-acme"), value_of(prompt="something else"))
+    copy = plan.rewrite_request(value, "surge.replay-x.replies", POLICY, forged, RING)
+    assert copy.headers == tuple(forged), "copied as is"
+    with pytest.raises(RequestSignatureError):
+        RING.verify(copy.headers, copy.value)
+    unsigned = plan.rewrite_request(value, "surge.replay-x.replies", POLICY, None, RING)
+    assert unsigned.headers == ()
+    as_written = plan.rewrite_request(value, "surge.replay-x.replies", POLICY, sign(ACME, value), None)
+    assert as_written.headers == tuple(sign(ACME, value)), "live takes records as written: untouched"
+    assert plan.resigned(sign(ACME, value), value, b"{}", RING) == tuple(resign(None, ACME, b"{}"))
+
+
+# ---- one real worker on the real broker --------------------------------------------------------------
+
+
+@pytest.mark.integration
+async def test_a_worker_with_keys_serves_only_records_signed_within_their_keys_grant(deployment) -> None:
+    d = deployment(
+        api_keys=KEYS,
+        risk_escalation_key=ESCALATION_KEY,
+        rate_limit_enabled="false",
+        cache_enabled="false",
+        **RELAXED,
+    )
+    d.worker()
+    c = await d.client()
+    risk_signer = escalation_signer_of(d.settings)
+    assert risk_signer is not None
+
+    def signed(rid: str, key: ApiKey, **fields: Any) -> tuple[bytes, list[tuple[str, bytes]]]:
+        body = request(rid, "u-sig", reply_to=d.topics.replies, **fields)
+        value = json.dumps(body).encode()
+        return value, sign(key, value)
+
+    cases: dict[str, tuple[bytes | None, bytes, list[tuple[str, bytes]] | None]] = {
+        "unsigned": (
+            b"u-sig",
+            json.dumps(request("unsigned", "u-sig", reply_to=d.topics.replies)).encode(),
+            None,
+        ),
+        "claims-beta": (b"u-sig", *signed("claims-beta", ACME, tenant="beta")),
+        "too-high": (b"u-sig", *signed("too-high", ACME, priority="realtime")),
+        "ok-no-tenant": (b"u-sig", *signed("ok-no-tenant", ACME)),
+        "ok-forwarded": (None, *signed("ok-forwarded", BETA, priority="realtime")),
+        # as the risk workers sign an escalation (agents/risk_escalation.py)
+        "ok-escalation": (
+            b"u-sig",
+            *signed("ok-escalation", risk_signer, tenant="risk", priority="realtime"),
+        ),
+        "forged-escalation": (
+            b"u-sig",
+            *signed("forged-escalation", escalation_signer("a guess", "risk"), tenant="risk"),
+        ),
+    }
+    futures = {rid: c.expect(f"r-{rid}") for rid in cases}
+    for key, value, headers in cases.values():
+        await c.send_raw(key, value, headers)
+    replies = dict(zip(futures, await d.replies(list(futures.values()), 60), strict=True))
+
+    for rid in ("ok-no-tenant", "ok-forwarded", "ok-escalation"):
+        assert replies[rid].status == "ok", (rid, replies[rid].error)
+    assert replies["ok-forwarded"].priority == "realtime", "forwarded with its headers, served as beta's"
+    expected = {
+        "unsigned": "not signed",
+        "claims-beta": "tenant 'beta' is not the tenant of the signing key ('acme')",
+        "too-high": "priority up to 'interactive', got 'realtime'",
+        "forged-escalation": "does not match the record's value for key id 'escalation'",
+    }
+    for rid, needle in expected.items():
+        err = replies[rid].error
+        assert replies[rid].status == "error" and err is not None, rid
+        assert err.code == "invalid_request" and needle in err.message, (rid, err)
+    letters = [DeadLetter.model_validate_json(r.value) for r in await d.read_topic(d.topics.deadletter, 4)]
+    assert sorted(dl.reason for dl in letters) == ["invalid_request"] * 4
+    assert any("not signed" in dl.message for dl in letters)
