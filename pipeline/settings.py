@@ -220,7 +220,8 @@ class Settings(BaseSettings):
         le=100,
         description="how long a Python thread may keep the GIL while another waits for it, milliseconds "
         "(CPython's default is 5): shorter lets the embedding and model threads take it back sooner "
-        "after each native call while the event loop runs Python",
+        "after each native call while the event loop runs Python "
+        '(docs/architecture.md, "Threads and the GIL")',
     )
     gc_young_threshold_objects: int = Field(
         50_000,
@@ -229,12 +230,12 @@ class Settings(BaseSettings):
         "default is 700): at 700 a busy worker collects every few hundred microseconds, so objects that "
         "live a few milliseconds (sends waiting for their acks, records in a batch) are promoted to the "
         "oldest generation and set off a full collection, which stops the event loop, about once a "
-        "second; at 50,000 they die young",
+        'second; at 50,000 they die young (docs/architecture.md, "Garbage collection")',
     )
     event_loop: Literal["asyncio", "uvloop"] = Field(
         "uvloop",
         description="the worker's event loop: uvloop's (libuv, in C: each record's futures, callbacks and "
-        "socket writes cost less Python) or asyncio's own",
+        'socket writes cost less Python) or asyncio\'s own (docs/architecture.md, "Threads and the GIL")',
     )
     model_device_map: str | None = Field(None, description="HF device_map, e.g. auto")
     remote_base_url: str | None = Field(None, description="OpenAI-compatible endpoint (model=remote)")

@@ -167,6 +167,20 @@ def test_every_field_is_documented() -> None:
     assert len(Settings.model_fields) > 40
 
 
+def test_the_readme_settings_table_says_what_each_field_says() -> None:
+    """A row per field, its description word for word: the README is where an operator looks a
+    setting up, and a description changed in code only had left its row behind (four had drifted)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    rows = {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"^\| `SURGE_([A-Z0-9_]+)` \| .*? \| (.*) \|$", readme, re.MULTILINE)
+    }
+    missing = [name for name in Settings.model_fields if name.upper() not in rows]
+    assert missing == []
+    differ = [name for name, f in Settings.model_fields.items() if rows[name.upper()] != f.description]
+    assert differ == []
+
+
 def test_settings_defaults_are_the_pure_configs_defaults() -> None:
     """Each default is defined once, in the pure module; Settings takes it from there."""
     from pipeline.degrade import DegradeConfig
