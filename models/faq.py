@@ -32,6 +32,7 @@ from scipy import sparse
 from models.base import ModelBackend, ModelInput, ModelOutput
 from models.embedder import Embedder, shared_embedder
 from models.exceptions import ModelError, ModelLoadError
+from pipeline.atomic import npz_bytes, replace_files
 
 DATA_DIR = Path(__file__).resolve().parent / "faq_data"
 WEIGHTS_FILE = "faq_weights.npz"
@@ -238,7 +239,8 @@ class FAQModel:
         return self.blended(linear, knn, self.blend.weight)
 
     def save(self, out_dir: Path) -> None:
-        """Write ``faq_weights.npz`` (no pickled objects) and ``faq_vocab.json`` into ``out_dir``."""
+        """Write ``faq_weights.npz`` (no pickled objects) and ``faq_vocab.json`` into ``out_dir``, each
+        replaced whole (:func:`pipeline.atomic.replace_files`): a failed save leaves the old ones."""
         out_dir.mkdir(parents=True, exist_ok=True)
         vocab = {
             "format": 1,
@@ -251,7 +253,6 @@ class FAQModel:
             "knn_temperature": self.blend.temperature,
             "knn_weight": self.blend.weight,
         }
-        (out_dir / VOCAB_FILE).write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
         arrays: dict[str, np.ndarray] = {
             "weight": self.weight.astype(np.float16),
             "bias": self.bias.astype(np.float32),
@@ -263,7 +264,13 @@ class FAQModel:
         if self.lexical_weight is not None and self.lexical_bias is not None:
             arrays["lexical_weight"] = self.lexical_weight.astype(np.float16)
             arrays["lexical_bias"] = self.lexical_bias.astype(np.float32)
-        np.savez_compressed(out_dir / WEIGHTS_FILE, **arrays)  # type: ignore[arg-type]
+        # atomically, the vocabulary last: a worker loading meanwhile reads the old pair or the new one
+        replace_files(
+            [
+                (out_dir / WEIGHTS_FILE, npz_bytes(arrays)),
+                (out_dir / VOCAB_FILE, json.dumps(vocab, ensure_ascii=False).encode("utf-8")),
+            ]
+        )
 
 
 def load_model(data_dir: Path) -> FAQModel:

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.atomic import npz_bytes, replace_files
 from pipeline.exceptions import SurgeError
 from pipeline.risk.features import ALL_FEATURES, OK, FeatureConfig, FeatureEngine
 from pipeline.risk.rules import DEFAULT_RULES, RuleSet
@@ -156,18 +157,20 @@ class RiskModel:
 
     # ---- files -------------------------------------------------------------------------------
     def save(self, out_dir: str | Path) -> Path:
+        """Write the trees and their metadata into ``out_dir``, each file replaced whole
+        (:func:`pipeline.atomic.replace_files`, the metadata last): a failed save leaves the old ones."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        np.savez(
-            out / WEIGHTS_FILE,
-            feature=self.feature.astype(np.int32),
-            threshold=self.threshold,
-            left=self.left.astype(np.int32),
-            right=self.right.astype(np.int32),
-            value=self.value,
-            roots=self.roots.astype(np.int32),
-        )
-        (out / META_FILE).write_text(json.dumps(self.meta, indent=2) + "\n")
+        arrays = {
+            "feature": self.feature.astype(np.int32),
+            "threshold": self.threshold,
+            "left": self.left.astype(np.int32),
+            "right": self.right.astype(np.int32),
+            "value": self.value,
+            "roots": self.roots.astype(np.int32),
+        }
+        meta = (json.dumps(self.meta, indent=2) + "\n").encode("utf-8")
+        replace_files([(out / WEIGHTS_FILE, npz_bytes(arrays, compressed=False)), (out / META_FILE, meta)])
         return out
 
     @classmethod

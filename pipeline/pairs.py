@@ -38,13 +38,10 @@ Chinese; ``idf`` is a hashed inverse document frequency table learnt with the we
 from __future__ import annotations
 
 import bisect
-import io
 import itertools
 import json
 import math
-import os
 import re
-import tempfile
 import unicodedata
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -55,6 +52,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from pipeline.atomic import npz_bytes, replace_files
 from pipeline.exceptions import SurgeError
 from pipeline.guard import action_asymmetry, guard_allows, hard_conflict
 from pipeline.textcache import TextCache
@@ -598,30 +596,7 @@ class LearnedDecision:
             "meta": self.meta,
         }
         text = json.dumps(doc, indent=1, sort_keys=True) + "\n"
-        weights = io.BytesIO()
-        # numpy's stub types the keyword arrays as its ``allow_pickle`` flag
-        np.savez_compressed(weights, **arrays)  # type: ignore[arg-type]
-        _replace_files([(out / WEIGHTS_FILE, weights.getvalue()), (out / MODEL_FILE, text.encode("utf-8"))])
-
-
-def _replace_files(files: Sequence[tuple[Path, bytes]]) -> None:
-    """Write each ``(path, content)`` to a temporary file in its folder, then rename them over the
-    paths in order; the temporary files are removed whatever happens."""
-    temps: list[Path] = []
-    try:
-        for path, content in files:
-            fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            temps.append(Path(name))
-            with os.fdopen(fd, "wb") as fh:
-                os.fchmod(fh.fileno(), 0o644)  # mkstemp's 0600 would hide the weights from other users
-                fh.write(content)
-                fh.flush()
-                os.fsync(fh.fileno())
-        for (path, _), temp in zip(files, temps, strict=True):
-            os.replace(temp, path)
-    finally:
-        for temp in temps:
-            temp.unlink(missing_ok=True)
+        replace_files([(out / WEIGHTS_FILE, npz_bytes(arrays)), (out / MODEL_FILE, text.encode("utf-8"))])
 
 
 FORMAT_VERSION = 1

@@ -370,3 +370,21 @@ def test_workers_load_the_faq_weights_settings_name(tmp_path: Path) -> None:
 
     assert build_faq(Settings.load(faq_data_dir=str(tmp_path))).data_dir == tmp_path  # type: ignore[attr-defined]
     assert build_faq(Settings.load()).data_dir == DATA_DIR  # type: ignore[attr-defined]
+
+
+def test_a_failed_save_leaves_the_old_weights_and_vocabulary_whole(tmp_path: Path) -> None:
+    """The vocabulary was written first and the arrays after: a failure while saving the arrays
+    left a new vocabulary beside the old weights, which load refused or misread."""
+    from dataclasses import replace
+
+    from models.faq import load_model
+
+    model = load_model(DATA_DIR)
+    model.save(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    # a new vocabulary (other labels) with arrays that cannot be saved
+    broken = replace(model, labels=model.labels[::-1], bias=np.array(["not", "a", "number"], dtype=object))
+    with pytest.raises(ValueError):
+        broken.save(tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before, "no new, half or stray file"
+    assert load_model(tmp_path).labels == model.labels
