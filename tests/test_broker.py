@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -38,6 +39,47 @@ def test_missing_java_or_maven_is_a_clear_error(
     k = EmbeddedKafka(tmp_path / "data", cache_dir=tmp_path / "empty-cache")
     with pytest.raises(BrokerError, match="Java 17" if missing == "java" else "Maven"):
         k.resolve()
+
+
+def test_two_processes_resolving_the_jars_at_once_run_maven_once(tmp_path: Path) -> None:
+    """On a fresh machine two processes (a demo beside the tests) both found no jars and ran Maven
+    into one ``libs.tmp``, each clearing the other's. A fake ``mvn`` that takes a second and counts
+    its runs stands in for Maven; both processes get the jars, from one run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "java").symlink_to(subprocess.check_output(["which", "java"], text=True).strip())
+    runs = tmp_path / "runs"
+    mvn = bin_dir / "mvn"
+    mvn.write_text(
+        "#!/bin/sh\n"
+        f"echo run >> {runs}\n"
+        "sleep 1\n"
+        'for a in "$@"; do case "$a" in -DoutputDirectory=*) out="${a#-DoutputDirectory=}";; esac; done\n'
+        'mkdir -p "$out" && touch "$out/kafka_2.13-$SURGE_TEST_VERSION.jar"\n'
+    )
+    mvn.chmod(0o755)
+    cache = tmp_path / "cache"
+    version = EmbeddedKafka(tmp_path / "probe", cache_dir=cache).version
+    code = (
+        "import sys; from pathlib import Path; from pipeline.devtools.broker import EmbeddedKafka; "
+        "print(EmbeddedKafka(Path(sys.argv[1]), cache_dir=Path(sys.argv[2])).resolve())"
+    )
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SURGE_TEST_VERSION": version}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path / f"d{i}"), str(cache)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    libs = {Path(out.strip()) for out, _ in outs}
+    assert len(libs) == 1 and (libs.pop() / f"kafka_2.13-{version}.jar").is_file()
+    assert runs.read_text().count("run") == 1, "the second waited for the first and found the jars"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

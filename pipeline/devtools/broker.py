@@ -13,6 +13,7 @@ import asyncio
 import base64
 import concurrent.futures
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -148,12 +149,22 @@ class EmbeddedKafka:
         marker = self.libs_dir / ".complete"
         if marker.exists():
             return self.libs_dir
+        work = self.libs_dir.parent
+        work.mkdir(parents=True, exist_ok=True)
+        # one resolver at a time: two processes starting brokers on a fresh machine (a demo beside the
+        # tests, or test processes side by side) would otherwise clear each other's libs.tmp
+        with open(work / ".resolve.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if marker.exists():  # the other resolver finished while this one waited
+                return self.libs_dir
+            return self._resolve_locked(work, marker)
+
+    def _resolve_locked(self, work: Path, marker: Path) -> Path:
+        """:meth:`resolve` under the cache's lock: Maven into ``libs.tmp``, renamed into place."""
         if shutil.which("java") is None:
             raise BrokerError("Java 17+ is needed to run the embedded Kafka broker: no `java` on PATH")
         if shutil.which("mvn") is None:
             raise BrokerError("Maven is needed to fetch the Kafka broker's jars: no `mvn` on PATH")
-        work = self.libs_dir.parent
-        work.mkdir(parents=True, exist_ok=True)
         (work / "pom.xml").write_text(_POM.format(version=self.version))
         tmp = work / "libs.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
