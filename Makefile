@@ -21,4 +21,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: lint
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=25
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=25

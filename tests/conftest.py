@@ -39,6 +39,16 @@ def preloaded_workers() -> Iterator[None]:
     WorkerProcess.launcher = None
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``heavy`` (whole processes killed and restarted, benchmark runs) share one xdist
+    group: under ``-n 2 --dist loadgroup`` (the README's test command) they run one after another on
+    one process while the other takes the rest, so no two of them fight over the 2 cores their
+    timings were made on."""
+    for item in items:
+        if item.get_closest_marker("heavy") is not None:
+            item.add_marker(pytest.mark.xdist_group("heavy"))
+
+
 @pytest.fixture(scope="session")
 def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedKafka]:
     """A real Apache Kafka 4.x broker (KRaft) for the whole test run."""

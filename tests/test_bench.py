@@ -110,6 +110,7 @@ def test_unknown_scenario_is_refused() -> None:
 
 # ---- quick runs against the real broker -----------------------------------------------------------
 @pytest.mark.integration
+@pytest.mark.heavy
 def test_overhead_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
     r = _run("overhead", kafka, tmp_path)
     for arm in ("surge", "plain"):
@@ -122,6 +123,7 @@ def test_overhead_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.heavy
 def test_hostile_quick_state_stays_bounded(kafka: EmbeddedKafka, tmp_path: Path) -> None:
     """Requests built to grow a worker's state (random model names, new users, system messages and
     tenants): each gets one reply, idle rate-limit buckets are swept, many one-answer scopes cost
@@ -139,6 +141,7 @@ def test_hostile_quick_state_stays_bounded(kafka: EmbeddedKafka, tmp_path: Path)
 
 
 @pytest.mark.integration
+@pytest.mark.heavy
 def test_batching_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
     r = _run("batching", kafka, tmp_path)
     assert set(r["arms"]) == {"surge", "surge_b1", "limit"}
@@ -154,6 +157,7 @@ def test_batching_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
 
 @pytest.mark.integration
 @pytest.mark.skipif(not BANKING77.is_file(), reason="banking77 data not present")
+@pytest.mark.heavy
 def test_merging_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
     r = _run("merging", kafka, tmp_path, banking77_csv=BANKING77)
     on, off = r["arms"]["surge"], r["arms"]["off"]
@@ -173,6 +177,7 @@ def test_merging_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.heavy
 def test_priority_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
     r = _run("priority", kafka, tmp_path)
     assert r["capacity_rps"] > 0
@@ -190,6 +195,7 @@ def test_priority_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.heavy
 def test_gateway_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
     pytest.importorskip("pipeline.gateway")
     r = _run("gateway", kafka, tmp_path)
@@ -488,6 +494,7 @@ def test_trace_finds_where_an_unanswered_request_went(kafka: EmbeddedKafka) -> N
 
 @pytest.mark.integration
 @pytest.mark.skipif(not BANKING77.is_file(), reason="banking77 data not present")
+@pytest.mark.heavy
 def test_surge_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
     r = _run("surge", kafka, tmp_path, banking77_csv=BANKING77)
     limit = r["limit_rps"]
@@ -529,6 +536,7 @@ def test_surge_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
 
 @pytest.mark.integration
 @pytest.mark.skipif(not BANKING77.is_file(), reason="banking77 data not present")
+@pytest.mark.heavy
 def test_failover_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
     from pipeline.devtools.broker import _run_sync, metadata_answers
 

@@ -17,7 +17,7 @@ from pipeline.devtools.procs import WorkerProcess
 from pipeline.metrics import scrape
 from tests.conftest import Deployment, request
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.heavy]
 
 ECHO = {
     "model": "echo",

@@ -114,6 +114,7 @@ def test_packaged_model_beats_the_rules_on_its_own_report() -> None:
     }
 
 
+@pytest.mark.heavy
 def test_bench_risk_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
     assert "risk" in SCENARIOS
     out = tmp_path / "risk.json"
@@ -135,6 +136,7 @@ def test_bench_risk_quick(kafka: EmbeddedKafka, tmp_path: Path) -> None:
     assert any("per worker" in n for n in names) and any("brute force" in n for n in names)
 
 
+@pytest.mark.heavy
 def test_risk_phases_reports_capacity_latency_and_full_collections(kafka: EmbeddedKafka) -> None:
     """``python -m pipeline.devtools.risk_phases`` (the A/B of two checkouts), small, on a stream
     simulated for more events than the phases send: each phase sends what it names and every event

@@ -21,7 +21,7 @@ from pipeline.risk.simulate import SimConfig, as_event, disorder, simulate
 from pipeline.riskops import RISK_READY
 from tests.test_risk_integration import assert_all_decided_as_recomputed, event, risk_client
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.heavy]
 
 
 async def test_sigkill_of_one_of_two_risk_workers_then_its_return_leaves_no_event_undecided(

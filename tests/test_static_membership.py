@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import Deployment, request
 from tests.test_failover_integration import ECHO, repeats
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.heavy]
 
 #: long enough that waiting for a session to expire cannot pass for a handover
 SESSION_S = 30.0

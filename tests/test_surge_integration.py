@@ -195,6 +195,7 @@ def _demo(data_dir: Path, summary: Path) -> dict[str, object]:
     return dict(json.loads(summary.read_text()))
 
 
+@pytest.mark.heavy
 def test_the_demo_twice_on_the_same_state_is_all_ok_both_times(tmp_path: Path) -> None:
     first = _demo(tmp_path / "demo", tmp_path / "first.json")
     second = _demo(tmp_path / "demo", tmp_path / "second.json")

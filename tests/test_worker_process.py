@@ -119,6 +119,7 @@ print(rss_mib() - warm)
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RSS from /proc")
+@pytest.mark.heavy
 def test_the_embedders_memory_stays_flat_across_input_shapes() -> None:
     """oneDNN compiles a kernel per operation and input shape and by default keeps 1,024 of them with
     their scratch memory; a worker keeps ``SURGE_ONEDNN_PRIMITIVE_CACHE_ENTRIES`` (8), so a stream of
