@@ -24,7 +24,12 @@ from pipeline.app import table_store_options
 from pipeline.auth import authorize, header_list, request_signers
 from pipeline.cache import AnswerCache
 from pipeline.compat import scan_partition
-from pipeline.exceptions import DeadlineExceededError, InvalidRequestError, RateLimitedError
+from pipeline.exceptions import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    RateLimitedError,
+    RequestSignatureError,
+)
 from pipeline.keys import cache_key, scope_of
 from pipeline.ratelimit import RateLimitConfig, RateLimiter, SweepSchedule, TierLimits, charge_time_ms
 from pipeline.records import (
@@ -97,6 +102,12 @@ class Intake:
                     f"{', '.join(sorted(s.accepted_models()))}"
                 )
             reply_to = await rt.reply_topic(req.reply_to)
+        except RequestSignatureError as exc:
+            # nobody vouches for this record's reply_to: its refusal goes to the default replies
+            # topic, never into a topic the (possibly keyless) producer named
+            refusal = await reject(rt, event, exc.code, exc.message, exc.message, own_topic=False)
+            rt.acker.ack_after([ticket], refusal)
+            return
         except InvalidRequestError as exc:
             rt.acker.ack_after([ticket], await reject(rt, event, exc.code, exc.message, exc.message))
             return
@@ -279,7 +290,9 @@ async def intake_failed(rt: Runtime, stream: faust.StreamT, event: EventT, exc: 
         rt.acker.ack_after([ticket], futures)
 
 
-async def reject(rt: Runtime, event: EventT, code: str, message: str, detail: str) -> list[Awaitable[Any]]:
+async def reject(
+    rt: Runtime, event: EventT, code: str, message: str, detail: str, *, own_topic: bool = True
+) -> list[Awaitable[Any]]:
     """A record that never became a request: an error reply ``code``/``message`` where its ids can be
     read (not recorded: it is the same on every read), and a dead letter with reason ``code`` and
     ``detail``. Returns the broker's acknowledgements to ack after."""
@@ -292,7 +305,7 @@ async def reject(rt: Runtime, event: EventT, code: str, message: str, detail: st
             await rt.error_reply(
                 request_id=rid,
                 user_id=uid,
-                reply_to=await rt.safe_reply_topic(reply_to),
+                reply_to=await rt.safe_reply_topic(reply_to if own_topic else None),
                 code=code,
                 message=message,
                 record=False,

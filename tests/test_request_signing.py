@@ -13,7 +13,9 @@ import hmac
 import json
 from typing import Any
 
+import openai
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from pipeline.auth import (
     ESCALATION_KEY_ID,
@@ -31,6 +33,7 @@ from pipeline.auth import (
     sign,
 )
 from pipeline.exceptions import InvalidRequestError, RequestSignatureError, SettingsError
+from pipeline.gateway import start_gateway
 from pipeline.records import DeadLetter, InferenceRequest, decode_request
 from pipeline.replay import plan
 from pipeline.replyto import ReplyToPolicy
@@ -251,12 +254,17 @@ async def test_a_worker_with_keys_serves_only_records_signed_within_their_keys_g
         value = json.dumps(body).encode()
         return value, sign(key, value)
 
+    # a reply topic of tenant beta's own: a producer holding no key names it, with the request_id of a
+    # request beta has in flight, to have beta's client take a forged refusal for its answer
+    victim = d.topics.replies + ".beta"
+    admin = AIOKafkaAdminClient(bootstrap_servers=d.bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(victim, 1, 1)])
+    finally:
+        await admin.close()
     cases: dict[str, tuple[bytes | None, bytes, list[tuple[str, bytes]] | None]] = {
-        "unsigned": (
-            b"u-sig",
-            json.dumps(request("unsigned", "u-sig", reply_to=d.topics.replies)).encode(),
-            None,
-        ),
+        "unsigned": (b"u-sig", json.dumps(request("unsigned", "beta/bob", reply_to=victim)).encode(), None),
         "claims-beta": (b"u-sig", *signed("claims-beta", ACME, tenant="beta")),
         "too-high": (b"u-sig", *signed("too-high", ACME, priority="realtime")),
         "ok-no-tenant": (b"u-sig", *signed("ok-no-tenant", ACME)),
@@ -292,3 +300,20 @@ async def test_a_worker_with_keys_serves_only_records_signed_within_their_keys_g
     letters = [DeadLetter.model_validate_json(r.value) for r in await d.read_topic(d.topics.deadletter, 4)]
     assert sorted(dl.reason for dl in letters) == ["invalid_request"] * 4
     assert any("not signed" in dl.message for dl in letters)
+    # the unsigned record's refusal went to the default replies topic (where it was awaited), not the
+    # topic it named: nobody vouches for an unsigned record's reply_to
+    assert await d.read_topic(victim, 0, timeout_s=2) == []
+
+    # the gateway signs with its caller's key: a worker that wants signed records serves it
+    gw = await start_gateway(d.settings, host="127.0.0.1", port=0)
+    try:
+        client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="k-beta", max_retries=0, timeout=60)
+        resp = await client.chat.completions.create(
+            model="echo",
+            messages=[{"role": "user", "content": "keyed hello"}],
+            extra_headers={"X-Surge-Priority": "realtime"},
+        )
+        await client.close()
+    finally:
+        await gw.stop()
+    assert resp.choices[0].message.content == "keyed hello"
