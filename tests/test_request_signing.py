@@ -317,3 +317,20 @@ async def test_a_worker_with_keys_serves_only_records_signed_within_their_keys_g
     finally:
         await gw.stop()
     assert resp.choices[0].message.content == "keyed hello"
+
+
+def test_the_readmes_signing_example_signs_what_the_intake_verifies() -> None:
+    """The README shows producers how to sign with nothing but hashlib and hmac: its ``signed``
+    function, run as printed, must make headers the intake accepts for the key it was given."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    source = "\n".join(line[2:] if line.startswith("  ") else line for line in block.splitlines())
+    definition = source[source.index("def signed(") : source.index("request_id = ")]
+    scope: dict[str, Any] = {"hashlib": hashlib, "hmac": hmac, "json": json}
+    exec(definition, scope)
+    value, headers = scope["signed"](ACME.key, request("readme", "alice"))
+    assert RING.verify(headers, value) == ACME
+    with pytest.raises(RequestSignatureError):
+        RING.verify(headers, value + b" ")
