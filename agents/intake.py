@@ -75,7 +75,7 @@ class Intake:
         self.sweeps = SweepSchedule()
         self.swept = 0
         #: who may sign a request record; None where records are taken as written (``open``)
-        self.signers = request_signers(rt.settings) if rt.settings.requests_signed else None
+        self.signers = request_signers(rt.settings)
 
     async def handle(self, stream: faust.StreamT, event: EventT) -> None:
         """Process one record; its ack follows once its outputs are on the broker."""

@@ -383,10 +383,13 @@ def escalation_signer_of(settings: Settings) -> ApiKey | None:
     return escalation_signer(settings.risk_escalation_key.get_secret_value(), settings.risk_escalation_tenant)
 
 
-def request_signers(settings: Settings) -> KeyRing:
+def request_signers(settings: Settings) -> KeyRing | None:
     """Who may sign a record on the request topic: every configured API key, and the escalation
-    signer when the escalation key is set (the intake's and a replay's ring; the gateway's has only the
-    configured keys)."""
+    signer when the escalation key is set (the intake's, a replay's and a shadow's ring; the gateway's
+    has only the configured keys). None where records are taken as written (``kafka_request_auth``
+    open, or auto without keys)."""
+    if not settings.requests_signed:
+        return None
     keys = list(parse_api_keys(settings.api_keys))
     escalation = escalation_signer_of(settings)
     if escalation is not None:

@@ -177,6 +177,7 @@ def test_the_escalation_signer_is_premium_realtime_of_its_tenant_under_a_derived
     s = Settings(api_keys=KEYS, risk_escalation_key="the-escalation-key")
     assert escalation_signer_of(s) == signer and escalation_signer_of(Settings()) is None
     ring = request_signers(s)
+    assert ring is not None
     record = {"request_id": "risk-1", "user_id": "acct-1", "tenant": "risk", "prompt": "case"}
     value = json.dumps({**record, "tier": "premium", "priority": "realtime"}).encode()
     key = ring.verify(sign(signer, value), value)
@@ -186,7 +187,9 @@ def test_the_escalation_signer_is_premium_realtime_of_its_tenant_under_a_derived
     forged = escalation_signer("a guess", "risk")
     with pytest.raises(RequestSignatureError, match="does not match"):
         ring.verify(sign(forged, value), value)
-    assert request_signers(Settings(api_keys=KEYS)).by_id(ESCALATION_KEY_ID) is None
+    keys_only = request_signers(Settings(api_keys=KEYS))
+    assert keys_only is not None and keys_only.by_id(ESCALATION_KEY_ID) is None
+    assert request_signers(Settings(risk_escalation_key="the-escalation-key")) is None, "open: no ring"
     assert ring.lookup(signer.key) is not None and KeyRing(parse_api_keys(KEYS)).lookup(signer.key) is None
 
 

@@ -43,6 +43,7 @@ from pipeline.risk.stages import (
     StateCache,
     decision_record,
     full_features,
+    key_partition,
     murmur2,
     new_item,
     next_kind,
@@ -340,6 +341,9 @@ def test_murmur2_and_partitions_match_kafkas_default_partitioner() -> None:
         assert murmur2(key.encode()) == kafka_murmur2(key.encode())
         parts = list(range(8))
         assert partition_for(key, 8) == DefaultPartitioner()(key.encode(), parts, parts)
+    # keys that are not UTF-8 (a record key is any bytes; the replay finds their home partition)
+    for raw in (b"\x80", b"k\xff\xfe", bytes(range(7))):
+        assert key_partition(raw, 8) == DefaultPartitioner()(raw, list(range(8)), list(range(8)))
 
 
 def test_next_kind_skips_missing_entities_and_pack_round_trips() -> None:

@@ -36,7 +36,6 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
-from aiokafka.partitioner import DefaultPartitioner
 from tqdm import tqdm
 
 from pipeline.auth import request_signers
@@ -57,6 +56,7 @@ from pipeline.replay.plan import (
     Throttle,
 )
 from pipeline.replyto import ReplyToPolicy
+from pipeline.risk.stages import key_partition
 from pipeline.risk_client import read_rule_records
 from pipeline.settings import Settings
 from pipeline.topics import TopicNames
@@ -459,7 +459,7 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
     rules = await read_live_rules(s, live_t.risk_rules) if risk else []
     if not risk:
         dropped = plan.sent_on_originals(
-            [(r.partition, r.key, r.value) for r in records], home=lambda key: _home(key, len(parts))
+            [(r.partition, r.key, r.value) for r in records], home=lambda key: key_partition(key, len(parts))
         )
         records = [r for i, r in enumerate(records) if i not in dropped]
     if not records:
@@ -475,7 +475,7 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
     # the copies and the keys they are joined on
     live_policy = ReplyToPolicy(live_t, s.app_id, s.reply_topic_pattern)
     # a copy's reply_to is rewritten: one live signed, the replay signs again with the same key
-    signers = request_signers(s) if s.requests_signed else None
+    signers = request_signers(s)
     copies: list[tuple[Any, bytes]] = []
     live_reply_topics: set[str] = set()
     expected: list[Any] = []
@@ -640,15 +640,6 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
         )
         print(f"report: {report_path}  plot: {plot_path}")
     return ReplayResult(report, report_path, plot_path, names, replies)
-
-
-_PARTITIONER = DefaultPartitioner()
-
-
-def _home(key: bytes, partitions: int) -> int:
-    """The partition records keyed ``key`` go to (murmur2, as the live intake's producer)."""
-    parts = list(range(partitions))
-    return int(_PARTITIONER(key, parts, parts))
 
 
 def _event_id(raw: bytes | None) -> str | None:

@@ -124,7 +124,7 @@ class Shadow:
         self.ready_path = self.out_dir / "READY"
         self.live_policy = ReplyToPolicy(self.live_t, s.app_id, s.reply_topic_pattern)
         #: a copy's reply_to is rewritten: one live signed, the shadow signs again with the same key
-        self.signers = request_signers(s) if s.requests_signed else None
+        self.signers = request_signers(s)
         self.env = opts.worker_env(
             s, self.names, self.out_dir, partitions=partitions or s.partitions, role="all"
         )

@@ -77,10 +77,15 @@ def murmur2(data: bytes) -> int:
     return h
 
 
+def key_partition(key: bytes, partitions: int) -> int:
+    """The partition a record keyed by the bytes ``key`` gets from Kafka's default partitioner."""
+    return (murmur2(key) & 0x7FFFFFFF) % partitions
+
+
 @lru_cache(maxsize=1 << 16)
 def partition_for(key: str, partitions: int) -> int:
     """The partition a record keyed ``key`` gets from Kafka's default partitioner."""
-    return (murmur2(key.encode()) & 0x7FFFFFFF) % partitions
+    return key_partition(key.encode(), partitions)
 
 
 def next_kind(event: dict[str, Any], after: str) -> str | None:
