@@ -334,7 +334,7 @@ class Inference:
         req = work.request
         recorded = rt.recorded(req, work.reply_to)
         if recorded is not None:
-            again = await rt.resend(recorded, work.reply_to, req)
+            again = await rt.resend(recorded, work.reply_to, req, work.key_id)
             rt.acker.ack_after([ticket], [again])
             return
         pending = self._pending(stream, event, ticket, work)
@@ -710,6 +710,7 @@ class Inference:
                     tenant=req.tenant,
                     event=event,
                     digest=req.digest,
+                    key_id=work.key_id,
                 )
             )
         futs.append(await rt.deadletter(event, "internal", f"internal error: {exc!r}"))

@@ -21,7 +21,7 @@ from faust.types import EventT, TableT
 from agents.runtime import Runtime, unacked
 from agents.shed import template_at_intake
 from pipeline.app import table_store_options
-from pipeline.auth import authorize, header_list, request_signers
+from pipeline.auth import ApiKey, authorize, header_list
 from pipeline.cache import AnswerCache
 from pipeline.compat import scan_partition
 from pipeline.exceptions import (
@@ -75,7 +75,7 @@ class Intake:
         self.sweeps = SweepSchedule()
         self.swept = 0
         #: who may sign a request record; None where records are taken as written (``open``)
-        self.signers = request_signers(rt.settings)
+        self.signers = rt.signers
 
     async def handle(self, stream: faust.StreamT, event: EventT) -> None:
         """Process one record; its ack follows once its outputs are on the broker."""
@@ -88,6 +88,7 @@ class Intake:
             return
         rt.intake_backlog.record(msg.tp, msg.offset, now_ms())
         futures: list[Awaitable[Any]] = []
+        signer: ApiKey | None = None
         try:
             # the signature first: nothing of an unsigned record is served or forwarded
             signer = None if self.signers is None else self.signers.verify(msg.headers, msg.value)
@@ -109,7 +110,8 @@ class Intake:
             rt.acker.ack_after([ticket], refusal)
             return
         except InvalidRequestError as exc:
-            rt.acker.ack_after([ticket], await reject(rt, event, exc.code, exc.message, exc.message))
+            refusal = await reject(rt, event, exc.code, exc.message, exc.message, key_id=key_id_of(signer))
+            rt.acker.ack_after([ticket], refusal)
             return
         if msg.key is None or msg.partition != await rt.home_partition(msg.topic, msg.key):
             # a record without a key lands on any partition, and a keyed one on whichever its
@@ -125,12 +127,13 @@ class Intake:
             )
             rt.acker.ack_after([ticket], [forwarded])
             return
+        key_id = key_id_of(signer)
         recorded = rt.recorded(req, reply_to)
         if recorded is not None:
-            futures.append(await rt.resend(recorded, reply_to, req))
+            futures.append(await rt.resend(recorded, reply_to, req, key_id))
             rt.acker.ack_after([ticket], futures)
             return
-        futures.append(await self._decide(req, reply_to, event))
+        futures.append(await self._decide(req, reply_to, event, key_id))
         rt.acker.ack_after([ticket], futures)
         if s.rate_limit_enabled and self.sweeps.due(msg.partition):
             try:
@@ -158,8 +161,21 @@ class Intake:
         self.swept += gone
         return gone
 
-    async def _decide(self, req: InferenceRequest, reply_to: str, event: EventT) -> Awaitable[Any]:
-        """Refuse, answer from the cache, or forward one valid request."""
+    def signed_by(self, event: EventT) -> str | None:
+        """The id of the key that signed ``event``'s record, or None (unsigned, not verified, or
+        requests are not signed): for the reply to a record whose handling failed."""
+        if self.signers is None:
+            return None
+        try:
+            return self.signers.verify(event.message.headers, event.message.value).key_id
+        except Exception:
+            return None
+
+    async def _decide(
+        self, req: InferenceRequest, reply_to: str, event: EventT, key_id: str | None
+    ) -> Awaitable[Any]:
+        """Refuse, answer from the cache, or forward one valid request (``key_id``: the key that
+        signed it, which signs its reply and travels with its work item)."""
         rt, s = self.rt, self.rt.settings
         record_ms = int(event.message.timestamp * 1000)
         now = now_ms()
@@ -181,6 +197,7 @@ class Intake:
                 tenant=req.tenant,
                 event=event,
                 digest=req.digest,
+                key_id=key_id,
             )
 
         if deadline is not None and now >= deadline:
@@ -224,6 +241,7 @@ class Intake:
                     created_at_ms=created,
                     event=event,
                     digest=req.digest,
+                    key_id=key_id,
                 )
         # the client shortened the deadline, or dated the request before its record reached the
         # broker: its deadline misses stay out of the degradation controller's miss rate
@@ -240,6 +258,7 @@ class Intake:
             deadline_at_ms=None if deadline is None else int(deadline),
             cache_key=key,
             client_deadline=dated,
+            key_id=key_id,
         )
         if rt.inference is not None:  # level 3 at the door (agents/shed.py)
             shed = template_at_intake(rt.inference, item)
@@ -251,8 +270,14 @@ class Intake:
                     created_at_ms=created,
                     event=event,
                     digest=req.digest,
+                    key_id=key_id,
                 )
         return await rt.send(rt.topics.work(req.priority), req.user_id, encode(item))
+
+
+def key_id_of(signer: ApiKey | None) -> str | None:
+    """The id of the key that signed a record (None: not signed)."""
+    return None if signer is None else signer.key_id
 
 
 def register(rt: Runtime, cache: AnswerCache | None, model_version: str) -> Intake:
@@ -275,15 +300,25 @@ def register(rt: Runtime, cache: AnswerCache | None, model_version: str) -> Inta
             except Exception as exc:
                 # handle() tracked the record; an unexpected failure still answers and dead-letters
                 log.exception("intake failed on %s", event.message.tp)
-                await intake_failed(rt, s, event, exc)
+                await intake_failed(rt, s, event, exc, intake.signed_by(event))
 
     return intake
 
 
-async def intake_failed(rt: Runtime, stream: faust.StreamT, event: EventT, exc: Exception) -> None:
-    """An internal error: an error reply where the ids can be read, a dead letter, then the ack."""
+async def intake_failed(
+    rt: Runtime, stream: faust.StreamT, event: EventT, exc: Exception, key_id: str | None = None
+) -> None:
+    """An internal error: an error reply where the ids can be read (signed with ``key_id``, the
+    key that signed the record), a dead letter, then the ack."""
     futures = await reject(
-        rt, event, "internal", f"internal error: {type(exc).__name__}", f"internal error: {exc!r}"
+        rt,
+        event,
+        "internal",
+        f"internal error: {type(exc).__name__}",
+        f"internal error: {exc!r}",
+        # a record whose signature did not verify gets its reply on the default topic, as a refused one
+        own_topic=rt.signers is None or key_id is not None,
+        key_id=key_id,
     )
     ticket = rt.acker.ticket_of(event) or await rt.acker.track(event)
     if ticket is not None:
@@ -291,11 +326,19 @@ async def intake_failed(rt: Runtime, stream: faust.StreamT, event: EventT, exc: 
 
 
 async def reject(
-    rt: Runtime, event: EventT, code: str, message: str, detail: str, *, own_topic: bool = True
+    rt: Runtime,
+    event: EventT,
+    code: str,
+    message: str,
+    detail: str,
+    *,
+    own_topic: bool = True,
+    key_id: str | None = None,
 ) -> list[Awaitable[Any]]:
     """A record that never became a request: an error reply ``code``/``message`` where its ids can be
-    read (not recorded: it is the same on every read), and a dead letter with reason ``code`` and
-    ``detail``. Returns the broker's acknowledgements to ack after."""
+    read (not recorded: it is the same on every read; signed with ``key_id`` where the record's
+    signature verified), and a dead letter with reason ``code`` and ``detail``. Returns the broker's
+    acknowledgements to ack after."""
     futures: list[Awaitable[Any]] = []
     raw = event.message.value
     ids = salvage_ids(raw if isinstance(raw, bytes) else None)
@@ -309,6 +352,7 @@ async def reject(
                 code=code,
                 message=message,
                 record=False,
+                key_id=key_id,
             )
         )
     futures.append(await rt.deadletter(event, code, detail))

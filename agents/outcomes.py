@@ -148,6 +148,7 @@ class ReplyWriter:
                 created_at_ms=work.created_at_ms,
                 event=pending.event,
                 digest=req.digest,
+                key_id=work.key_id,
             )
         return await self.rt.error_reply(
             request_id=req.request_id,
@@ -163,4 +164,5 @@ class ReplyWriter:
             tenant=req.tenant,
             event=pending.event,
             digest=req.digest,
+            key_id=work.key_id,
         )

@@ -27,7 +27,7 @@ from faust.types import EventT
 
 from agents.acks import Ticket
 from agents.runtime import Runtime, unacked
-from pipeline.auth import escalation_signer_of, sign
+from pipeline.auth import escalation_signer_of, reply_signed_by, sign
 from pipeline.client import partitions_of
 from pipeline.kafka_security import client_options
 from pipeline.metrics import RiskMetrics
@@ -76,6 +76,8 @@ class Escalations:
         self.key = s.risk_escalation_key.get_secret_value().encode() if s.risk_escalation_key else None
         #: signs the requests (None without a key, when the agent sends none)
         self.signer = escalation_signer_of(s)
+        #: the key a reply must be signed with where the request workers verify (and so sign) them
+        self.reply_signer = self.signer if s.requests_signed else None
         self.reply_topic = s.risk_escalation_replies
         #: replies awaited, by request id
         self.waiting: dict[str, asyncio.Future[dict[str, Any]]] = {}
@@ -94,7 +96,8 @@ class Escalations:
     async def read_replies(self) -> None:
         """Read every partition of the escalation reply topic from its end (no consumer group: a
         reply lands on the partition of its user, whichever worker asked) and hand each reply to the
-        escalation waiting for it; others are counted (``unknown_reply``) and dropped. Runs whenever
+        escalation waiting for it; others, and replies not signed with the escalation signer where
+        requests are signed, are counted (``unknown_reply``) and dropped. Runs whenever
         there is a key (agents/risk.py, ``reads_escalations``): cases written while escalation was on
         are still asked after it was turned off."""
         from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -119,12 +122,20 @@ class Escalations:
                 batch = await consumer.getmany(timeout_ms=500)
                 for records in batch.values():
                     for rec in records:
-                        self._deliver(rec.value)
+                        self._deliver(rec.value, rec.headers)
         finally:
             self.listening.clear()
             await consumer.stop()
 
-    def _deliver(self, raw: bytes | None) -> None:
+    def _deliver(self, raw: bytes | None, headers: Any = None) -> None:
+        if self.reply_signer is not None and not reply_signed_by(self.reply_signer, headers, raw):
+            # another tenant's request can name this topic and an escalation's request id: its reply
+            # is signed with its own key, never the escalation signer's (docs/architecture.md,
+            # "Tenant isolation")
+            log.warning("escalation reply not signed by the escalation signer: dropped")
+            self.unknown_replies += 1
+            self.metrics.escalations.labels(outcome="unknown_reply").inc()
+            return
         try:
             reply = jsonio.loads(raw or b"")
             rid = reply.get("request_id") if isinstance(reply, dict) else None

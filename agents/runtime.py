@@ -25,6 +25,7 @@ from agents.acks import Acker
 from agents.durable_table import DurableTable
 from agents.offset_oracle import OffsetOracle
 from agents.reply_order import ReplySequencer, task_is_cancelling
+from pipeline.auth import KeyRing, request_signers, sign_reply
 from pipeline.compat import as_current_event, producer_knows_topic, producer_partitions_for, topic_exists
 from pipeline.exceptions import InvalidRequestError
 from pipeline.intake_backlog import IntakeBacklog
@@ -100,7 +101,10 @@ class Runtime:
     reply_topics: KnownTopics = field(init=False)
     #: how far this worker's intake is behind (pipeline.intake_backlog; reported by the intake agent)
     intake_backlog: IntakeBacklog = field(init=False)
+    #: who may sign a request record, and whose key signs its reply (None: requests are not signed)
+    signers: KeyRing | None = field(init=False)
     _topics: dict[str, faust.TopicT] = field(default_factory=dict, init=False)
+    _unknown_signers: set[str] = field(default_factory=set, init=False)
 
     def __post_init__(self) -> None:
         self.topics = TopicNames(self.settings.topic_prefix)
@@ -115,6 +119,7 @@ class Runtime:
             self.settings.intake_first_stall_ms,
             lambda tp: highwater(self.app, tp),
         )
+        self.signers = request_signers(self.settings)
 
     async def reply_topic(self, reply_to: str | None) -> str:
         """The topic a request's replies go to: its ``reply_to`` when allowed and existing; raises
@@ -178,12 +183,14 @@ class Runtime:
         event: EventT | None,
         digest: str = "",
         record: bool = True,
+        key_id: str | None = None,
     ) -> Awaitable[Any]:
         """Record ``reply`` in the reply book (first reply wins), send what was recorded, count it.
 
         ``digest``: the request's :attr:`~pipeline.records.InferenceRequest.digest` (part of the
         book's key). ``record=False`` for replies to records that never became a request (invalid
-        input): those are the same on every read anyway.
+        input): those are the same on every read anyway. ``key_id``: the key the request was signed
+        with; the reply is signed with it (:meth:`reply_headers`).
         """
         data = encode(reply)
         topic = reply_to or self.topics.replies
@@ -197,11 +204,32 @@ class Runtime:
             self.metrics.request_latency.labels(priority=priority).observe(
                 max(0, now_ms() - created_at_ms) / 1000
             )
-        return await self._send_recorded(key, topic, reply.user_id, data)
+        return await self._send_recorded(key, topic, reply.user_id, data, key_id)
 
-    async def _send_recorded(self, key: str, topic: str, user_id: str, data: bytes) -> Awaitable[Any]:
+    def reply_headers(self, key_id: str | None, data: bytes) -> list[tuple[str, bytes]] | None:
+        """The headers of a reply of ``data`` to a request signed with the key ``key_id``: that key's
+        reply signature (pipeline.auth.sign_reply), or None where requests are not signed or the key
+        is no longer configured (docs/architecture.md, "Tenant isolation")."""
+        if key_id is None or self.signers is None:
+            return None
+        key = self.signers.by_id(key_id)
+        if key is None:
+            if key_id not in self._unknown_signers:  # once per key, not once per reply
+                self._unknown_signers.add(key_id)
+                log.warning(
+                    "replies to requests signed with key %s go unsigned: this worker does not have "
+                    "that key (SURGE_API_KEYS must be alike on every worker), and clients drop them",
+                    key_id[:40],
+                )
+            return None
+        return sign_reply(key, data)
+
+    async def _send_recorded(
+        self, key: str, topic: str, user_id: str, data: bytes, key_id: str | None = None
+    ) -> Awaitable[Any]:
         """Send a reply once its record in the book is on the broker, after every reply published
-        before it (:mod:`agents.reply_order`).
+        before it (:mod:`agents.reply_order`), signed with the key ``key_id`` (:meth:`reply_headers`;
+        a reply sent again is signed again, over the same bytes).
 
         A reply must never be visible without its record: a worker killed in between would leave
         the client a reply that the request's next owner cannot find, and it would compute another."""
@@ -210,7 +238,8 @@ class Runtime:
         async def send() -> Awaitable[Any]:
             if not await self.reply_topic_present(topic):
                 return await self.undeliverable(topic, user_id, data)
-            return await self.send(topic, user_id, data, reply=topic != self.topics.replies)
+            headers = self.reply_headers(key_id, data)
+            return await self.send(topic, user_id, data, reply=topic != self.topics.replies, headers=headers)
 
         return await self.replies_in_order.submit(key, ack, send)
 
@@ -311,13 +340,15 @@ class Runtime:
             return None
         return self.book.get(reply_key(req.tenant, req.user_id, req.request_id, reply_to, req.digest))
 
-    async def resend(self, data: bytes, reply_to: str | None, req: InferenceRequest) -> Awaitable[Any]:
+    async def resend(
+        self, data: bytes, reply_to: str | None, req: InferenceRequest, key_id: str | None = None
+    ) -> Awaitable[Any]:
         """Send ``req``'s recorded reply again, byte for byte (once its record is on the broker, when
-        this worker wrote it a moment ago)."""
+        this worker wrote it a moment ago), signed with the key ``key_id`` that signed ``req``."""
         self.metrics.replies_repeated.inc()
         topic = reply_to or self.topics.replies
         key = reply_key(req.tenant, req.user_id, req.request_id, topic, req.digest)
-        return await self._send_recorded(key, topic, req.user_id, data)
+        return await self._send_recorded(key, topic, req.user_id, data, key_id)
 
     async def error_reply(
         self,
@@ -336,6 +367,7 @@ class Runtime:
         event: EventT | None = None,
         digest: str = "",
         record: bool = True,
+        key_id: str | None = None,
     ) -> Awaitable[Any]:
         """Publish an error reply (see :meth:`publish`)."""
         reply = InferenceReply(
@@ -355,6 +387,7 @@ class Runtime:
             event=event,
             digest=digest,
             record=record,
+            key_id=key_id,
         )
 
     async def deadletter(self, event: EventT, reason: str, message: str) -> Awaitable[Any]:

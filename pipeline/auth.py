@@ -18,7 +18,10 @@ Records written straight to the request topic are signed with a key where reques
 the key itself never travels) and ``surge-signature`` holds the hex HMAC-SHA256 of the record's value
 with the key as secret (:func:`sign`). The intake checks them (:meth:`KeyRing.verify`) and serves the
 record as its key's tenant, with at most its key's tier and priority (:func:`authorize`): nothing a
-producer writes chooses another tenant's state (docs/architecture.md, "Tenant isolation").
+producer writes chooses another tenant's state (docs/architecture.md, "Tenant isolation"). Each
+reply to a signed request is signed back with the same key (:func:`sign_reply`, header
+``surge-reply-signature``), so that its client can tell its own replies from ones another tenant's
+request put on its topic under its request id (:func:`reply_signed_by`).
 """
 
 from __future__ import annotations
@@ -62,6 +65,12 @@ KEY_ID_HEADER = "surge-key-id"
 #: the header of a signed record holding the hex HMAC-SHA256 of its value, the key as secret
 SIGNATURE_HEADER = "surge-signature"
 SIGNATURE_HEADERS = (KEY_ID_HEADER, SIGNATURE_HEADER)
+#: the header of a reply to a signed request: the hex HMAC-SHA256 of :data:`REPLY_LABEL` + the
+#: reply's value, with the request's key as secret (:func:`sign_reply`); beside ``surge-key-id``
+REPLY_SIGNATURE_HEADER = "surge-reply-signature"
+#: what a reply's signature covers before its value: a reply's signature never passes for a
+#: request's, nor a request's for a reply's
+REPLY_LABEL = b"surge-reply\n"
 #: the key id of the risk workers' escalation requests (:func:`escalation_signer`); a configured
 #: key's id always starts with ``key-``, so the two never meet
 ESCALATION_KEY_ID = "escalation"
@@ -274,6 +283,40 @@ def sign(key: ApiKey, value: bytes) -> list[tuple[str, bytes]]:
         (KEY_ID_HEADER, key.key_id.encode("ascii")),
         (SIGNATURE_HEADER, signature(key.key, value).encode("ascii")),
     ]
+
+
+def reply_signature(secret: str, value: bytes) -> str:
+    """The hex HMAC-SHA256 of :data:`REPLY_LABEL` + ``value`` with ``secret`` as the HMAC key."""
+    return signature(secret, REPLY_LABEL + value)
+
+
+def sign_reply(key: ApiKey, value: bytes) -> list[tuple[str, bytes]]:
+    """The two headers of a reply of ``value`` to a request signed with ``key``: the key's id and
+    :func:`reply_signature`. Only a holder of the key (the client that signed the request, and the
+    workers) can make them: a reply that another tenant's request caused to be written to this
+    client's topic, under its request id, carries that tenant's key and fails :func:`reply_signed_by`
+    (docs/architecture.md, "Tenant isolation")."""
+    return [
+        (KEY_ID_HEADER, key.key_id.encode("ascii")),
+        (REPLY_SIGNATURE_HEADER, reply_signature(key.key, value).encode("ascii")),
+    ]
+
+
+def reply_signed_by(key: ApiKey, headers: Headers, value: bytes | None) -> bool:
+    """Whether a reply of ``value`` with ``headers`` was signed with ``key`` (:func:`sign_reply`):
+    each header once, the key's id, the signature over these exact bytes (compared in constant
+    time). False for anything else, a missing or repeated header included."""
+    found: dict[str, list[Any]] = {KEY_ID_HEADER: [], REPLY_SIGNATURE_HEADER: []}
+    for name, raw in _pairs(headers):
+        n = _name(name)
+        if n in found:
+            found[n].append(raw)
+    if any(len(v) != 1 or not isinstance(v[0], bytes | bytearray) for v in found.values()):
+        return False
+    if bytes(found[KEY_ID_HEADER][0]) != key.key_id.encode("ascii"):
+        return False
+    expected = reply_signature(key.key, value or b"").encode("ascii")
+    return hmac.compare_digest(expected, bytes(found[REPLY_SIGNATURE_HEADER][0]).strip().lower())
 
 
 def resign(headers: Headers, key: ApiKey, value: bytes) -> list[tuple[str, bytes]]:

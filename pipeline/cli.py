@@ -185,7 +185,8 @@ def cmd_send(args: argparse.Namespace) -> int:
     except TimeoutError:
         print(
             f"surge send: no reply to request {req['request_id']} within {args.timeout_s:g} s; it was "
-            "sent and may still be answered (surge tail shows replies as they come)",
+            "sent and may still be answered (surge tail shows replies as they come; with --api-key, "
+            "only a reply signed back with that key is taken)",
             file=sys.stderr,
         )
         return 1

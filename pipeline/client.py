@@ -2,7 +2,9 @@
 
 Used by ``surge send``, ``surge demo``, the gateway, the benchmarks and the tests. It reads its reply
 topic without a consumer group (all partitions, from the end at start), so many clients can share
-one reply topic; each picks the replies it is waiting for.
+one reply topic; each picks the replies it is waiting for. A request it signs must be answered by a
+reply signed with the same key: any other reply under its request id (one that another tenant's
+request caused to be written there) is dropped (docs/architecture.md, "Tenant isolation").
 
 :class:`TopicReader` (a group-less reader of one topic) and :class:`ReplyClient` (a producer and the
 reader of its answers, with a future per id) are what every such client shares: this one, the risk
@@ -21,7 +23,7 @@ from typing import Any, Generic, Self, TypeVar
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
-from pipeline.auth import ApiKey, sign
+from pipeline.auth import ApiKey, reply_signed_by, sign
 from pipeline.compat import refresh_metadata, track_sent_topics
 from pipeline.exceptions import BrokerError, TopicMissingError
 from pipeline.records import InferenceReply, now_ms
@@ -172,10 +174,14 @@ class SurgeClient(ReplyClient[InferenceReply]):
         keep_replies: bool = True,
         security: Mapping[str, Any] | None = None,
         signer: ApiKey | None = None,
+        verify_replies: bool = True,
     ) -> None:
         """``security``: aiokafka's TLS/SASL options, :func:`pipeline.kafka_security.client_options`.
         ``signer``: the API key each request is signed with (:func:`pipeline.auth.sign`), for a
-        deployment that wants signed records (``kafka_request_auth``); None: unsigned."""
+        deployment that wants signed records (``kafka_request_auth``); None: unsigned.
+        ``verify_replies``: take, for a request signed with a key, only a reply signed with that key
+        (:func:`pipeline.auth.reply_signed_by`); the workers sign them where they verify requests.
+        Off only where signed requests meet workers that take records as written."""
         auth = dict(security or {})
         super().__init__(
             AIOKafkaProducer(
@@ -199,6 +205,46 @@ class SurgeClient(ReplyClient[InferenceReply]):
         self.keep_replies = keep_replies
         self.replies: list[InferenceReply] = []
         self.signer = signer
+        self.verify_replies = verify_replies
+        #: the key each waiting request was signed with: its reply must be signed with it
+        self._reply_keys: dict[str, ApiKey] = {}
+        #: replies dropped because they were not signed with their request's key
+        self.unverified = 0
+
+    def expect(self, key: str, signer: ApiKey | None = None) -> asyncio.Future[InferenceReply]:
+        """A future for the reply to request ``key`` (call before sending), signed with ``signer``
+        when the request is (the key its reply must be signed with)."""
+        if signer is not None and self.verify_replies:
+            self._reply_keys[key] = signer
+        return super().expect(key)
+
+    def forget(self, key: str) -> None:
+        super().forget(key)
+        self._reply_keys.pop(key, None)
+
+    def _answered(self, key: str, answer: InferenceReply) -> None:
+        super()._answered(key, answer)
+        self._reply_keys.pop(key, None)
+
+    def _verified(self, reply: InferenceReply, headers: Any, value: bytes | None) -> bool:
+        """Whether ``reply`` may be taken: one to a request waiting with a key must be signed with
+        that key (else it is dropped, counted and logged); any other, seen by a client with its own
+        key, must be signed with that key to be kept (others' replies on a shared topic are
+        dropped quietly)."""
+        key = self._reply_keys.get(reply.request_id)
+        if key is None:
+            own = self.signer if self.verify_replies else None
+            return own is None or reply_signed_by(own, headers, value)
+        if reply_signed_by(key, headers, value):
+            return True
+        self.unverified += 1
+        log.warning(
+            "reply to %s dropped: not signed with the key %s of its request (another tenant's request "
+            "under this id, or workers that do not sign: kafka_request_auth open)",
+            reply.request_id[:80],
+            key.key_id,
+        )
+        return False
 
     async def _read(self) -> None:
         async for msg in self.consumer:
@@ -206,6 +252,8 @@ class SurgeClient(ReplyClient[InferenceReply]):
                 reply = InferenceReply.model_validate_json(msg.value)
             except Exception:
                 log.warning("undecodable reply at %s[%d]@%d", msg.topic, msg.partition, msg.offset)
+                continue
+            if not self._verified(reply, msg.headers, msg.value):
                 continue
             if self.keep_replies:
                 self.replies.append(reply)
@@ -237,7 +285,7 @@ class SurgeClient(ReplyClient[InferenceReply]):
         request = dict(request)
         request.setdefault("created_at", now_ms())
         request.setdefault("reply_to", self.reply_topic)
-        fut = self.expect(request["request_id"])
+        fut = self.expect(request["request_id"], signer or self.signer)
         await self.produce(request, signer)
         return fut
 

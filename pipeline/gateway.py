@@ -140,6 +140,8 @@ class Gateway:
             reply_topic=self.reply_topic,
             keep_replies=False,
             security=client_options(settings),
+            # a caller's reply must be signed with its key where the workers sign replies
+            verify_replies=settings.requests_signed,
         )
         self.ready = False
         self.max_body_bytes = settings.max_record_bytes + BODY_SLACK_BYTES
@@ -298,10 +300,11 @@ class Gateway:
         and await its reply, at most gateway_timeout_ms."""
         req = call.request
         rid = req["request_id"]
-        fut = self.client.expect(rid)
+        signer = key if key.key else None
+        fut = self.client.expect(rid, signer)
         try:
             try:
-                delivery = await self.client.produce(req, signer=key if key.key else None)
+                delivery = await self.client.produce(req, signer=signer)
                 await delivery
             except Exception as exc:
                 raise HttpError(

@@ -97,7 +97,8 @@ def create_risk_metrics(r: CollectorRegistry) -> RiskMetrics:
         escalations=Counter(
             "surge_risk_escalations",
             "Borderline risk decisions put to the model path, by how the escalation ended "
-            "(unknown_reply: a reply on the escalation topic that no escalation waits for)",
+            "(unknown_reply: a reply on the escalation topic that no escalation waits for, or one not "
+            "signed by the escalation signer)",
             ["outcome"],
             registry=r,
         ),

@@ -154,6 +154,9 @@ class WorkItem(BaseModel):
     #: reached the broker: a miss of such a request says nothing about the pipeline's load, so it is
     #: left out of the degradation controller's miss rate (docs/architecture.md, "Degradation")
     client_deadline: bool = False
+    #: the id of the API key the request was signed with (None: unsigned, ``kafka_request_auth``
+    #: open): its reply is signed with the same key (docs/architecture.md, "Tenant isolation")
+    key_id: str | None = None
 
 
 class ErrorInfo(BaseModel):

@@ -455,11 +455,13 @@ class Settings(BaseSettings):
     )
     kafka_request_auth: Literal["auto", "signed", "open"] = Field(
         "auto",
-        description="records written straight to the request topic: signed: each must carry an API key's "
-        "id and an HMAC of its value (headers surge-key-id, surge-signature), and its key's tenant, tier "
-        "and highest priority apply as in the gateway; open: the record's tenant, tier and priority are "
-        "taken as written (the topic's ACLs are the only boundary; development); auto: signed when "
-        "api_keys is set, else open",
+        description="records written straight to the request topic: signed: each must carry an API "
+        "key's id and an HMAC of its value (headers surge-key-id, surge-signature), its key's tenant, tier and "
+        "highest priority apply as in the gateway, and its reply is signed back with the key (header "
+        "surge-reply-signature), which the gateway and clients require; open: the record's tenant, "
+        "tier and priority are taken as written and replies are unsigned (the topic's ACLs are the "
+        "only boundary; development); auto: signed when api_keys is set, else open; set it alike on "
+        "workers and gateways",
     )
     gateway_max_in_flight: int = Field(
         0, ge=0, description="requests a gateway waits on at once before answering 503; 0 = no bound"

@@ -386,7 +386,11 @@ def test_compose_publishes_kafka_only_behind_sasl_on_this_machine() -> None:
 
 def test_compose_needs_its_secrets_and_has_no_default_password() -> None:
     services = _compose()["services"]
-    assert _REQUIRED.fullmatch(services["gateway"]["environment"]["SURGE_API_KEYS"])
+    # the gateway authenticates with the keys; the intake verifies signed records with them, the
+    # inference workers sign replies back with them, the risk workers' escalation reader then wants
+    # signed replies: one role without them and signed deployments lose every reply
+    for name in ("gateway", "intake", "inference", "risk"):
+        assert _REQUIRED.fullmatch(services[name]["environment"]["SURGE_API_KEYS"]), name
     grafana = services["grafana"]["environment"]
     assert _REQUIRED.fullmatch(grafana["GF_SECURITY_ADMIN_PASSWORD"])
     assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
@@ -406,7 +410,7 @@ def test_compose_needs_its_secrets_and_has_no_default_password() -> None:
 
 
 def test_k8s_gateway_needs_its_keys_and_every_pod_can_take_kafka_credentials() -> None:
-    for name in ("surge-intake", "surge-inference", "surge-gateway"):
+    for name in ("surge-intake", "surge-inference", "surge-risk", "surge-gateway"):
         container = _container(name)
         secrets = {e["secretRef"]["name"]: e["secretRef"] for e in container["envFrom"] if "secretRef" in e}
         assert secrets["surge-kafka-credentials"].get("optional") is True, name
@@ -416,8 +420,8 @@ def test_k8s_gateway_needs_its_keys_and_every_pod_can_take_kafka_credentials() -
         assert {"name": "kafka-tls", "mountPath": "/etc/surge/kafka-tls", "readOnly": True} in container[
             "volumeMounts"
         ]
-        if name == "surge-gateway":
-            assert secrets["surge-api-keys"].get("optional", False) is False, "no gateway without keys"
+        # no gateway without keys, and every worker has them (replies are signed back with them)
+        assert secrets["surge-api-keys"].get("optional", False) is False, name
     assert _configmap()["SURGE_KAFKA_SECURITY_PROTOCOL"] in {"PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"}
     job = _k8s_object("Job", "surge-create-topics")["spec"]["template"]["spec"]
     assert "--command-config" in job["containers"][0]["args"][0]

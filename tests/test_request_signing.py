@@ -8,6 +8,7 @@ one real worker on the real broker with ``SURGE_API_KEYS`` set.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -20,6 +21,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from pipeline.auth import (
     ESCALATION_KEY_ID,
     KEY_ID_HEADER,
+    REPLY_SIGNATURE_HEADER,
     SIGNATURE_HEADER,
     ApiKey,
     KeyRing,
@@ -28,9 +30,11 @@ from pipeline.auth import (
     escalation_signer_of,
     header_list,
     parse_api_keys,
+    reply_signed_by,
     request_signers,
     resign,
     sign,
+    sign_reply,
 )
 from pipeline.exceptions import InvalidRequestError, RequestSignatureError, SettingsError
 from pipeline.gateway import start_gateway
@@ -122,6 +126,28 @@ def test_a_tampered_value_fails_even_by_one_byte() -> None:
     for tampered in (value_of(tenant="beta"), value + b" ", value.replace(b'"hi"', b'"hI"')):
         with pytest.raises(RequestSignatureError, match="does not match"):
             RING.verify(headers, tampered)
+
+
+def test_a_reply_passes_only_for_the_key_that_signed_its_request() -> None:
+    """A worker signs each reply with its request's key (:func:`sign_reply`); a client checks it
+    with the key it signed the request with. Another key, another byte, a request's signature, a
+    header missing or given twice: each fails."""
+    reply = b'{"request_id": "r-1", "user_id": "u1", "status": "ok", "answer": "yes"}'
+    headers = sign_reply(ACME, reply)
+    assert dict(headers)[KEY_ID_HEADER] == ACME.key_id.encode()
+    assert reply_signed_by(ACME, headers, reply)
+    assert reply_signed_by(ACME, [(n.upper(), v) for n, v in headers], reply)  # names without case
+    assert not reply_signed_by(BETA, headers, reply)
+    assert not reply_signed_by(BETA, sign_reply(ACME, reply), reply)
+    assert not reply_signed_by(ACME, sign_reply(BETA, reply), reply)
+    assert not reply_signed_by(ACME, headers, reply[:-1] + b" }")
+    assert not reply_signed_by(ACME, sign(ACME, reply), reply)  # a request's signature is no reply's
+    assert not reply_signed_by(ACME, None, reply)
+    assert not reply_signed_by(ACME, [headers[1]], reply)
+    assert not reply_signed_by(ACME, [*headers, headers[1]], reply)
+    assert not reply_signed_by(ACME, [headers[0], (REPLY_SIGNATURE_HEADER, None)], reply)
+    # the label keeps the two signatures apart: a request's HMAC of the same bytes never matches
+    assert dict(headers)[REPLY_SIGNATURE_HEADER] != dict(sign(ACME, reply))[SIGNATURE_HEADER]
 
 
 def test_header_list_keeps_well_formed_pairs_for_a_forward() -> None:
@@ -235,6 +261,38 @@ def test_a_replayed_copy_of_a_record_live_refused_stays_refused() -> None:
     assert plan.resigned(sign(ACME, value), value, b"{}", RING) == tuple(resign(None, ACME, b"{}"))
 
 
+async def test_the_escalation_reader_takes_only_replies_its_signer_signed() -> None:
+    """Where requests are signed, a tenant's request naming the escalation reply topic and an
+    escalation's request id gets a reply signed with that tenant's key: the risk worker's reader
+    drops it (``unknown_reply``) and the escalation still waits for its own."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from agents.risk_escalation import Escalations
+    from pipeline.metrics import create_risk_metrics
+
+    settings = Settings.load(api_keys=KEYS, risk_escalation_key=ESCALATION_KEY)
+    signer = escalation_signer_of(settings)
+    assert signer is not None
+    esc = Escalations(SimpleNamespace(settings=settings), create_risk_metrics(CollectorRegistry()))  # type: ignore[arg-type]
+    waiting = esc.waiting["risk-1"] = asyncio.get_running_loop().create_future()
+    reply = b'{"request_id": "risk-1", "user_id": "acme/x", "status": "ok", "answer": "APPROVE"}'
+    for headers in (sign_reply(ACME, reply), None, sign(signer, reply)):
+        esc._deliver(reply, headers)
+    assert esc.unknown_replies == 3 and not waiting.done()
+    esc._deliver(reply, sign_reply(signer, reply))
+    assert waiting.done() and waiting.result()["answer"] == "APPROVE"
+    # unsigned deployments take replies as they come (no worker signs them there)
+    open_esc = Escalations(
+        SimpleNamespace(settings=Settings.load(risk_escalation_key=ESCALATION_KEY)),  # type: ignore[arg-type]
+        create_risk_metrics(CollectorRegistry()),
+    )
+    taken = open_esc.waiting["risk-1"] = asyncio.get_running_loop().create_future()
+    open_esc._deliver(reply, None)
+    assert taken.done()
+
+
 # ---- one real worker on the real broker --------------------------------------------------------------
 
 
@@ -255,6 +313,10 @@ async def test_a_worker_with_keys_serves_only_records_signed_within_their_keys_g
     def signed(rid: str, key: ApiKey, **fields: Any) -> tuple[bytes, list[tuple[str, bytes]]]:
         body = request(rid, "u-sig", reply_to=d.topics.replies, **fields)
         value = json.dumps(body).encode()
+        return value, sign(key, value)
+
+    def signed_to(topic: str, rid: str, key: ApiKey, text: str) -> tuple[bytes, list[tuple[str, bytes]]]:
+        value = json.dumps(request(rid, "u-sig", text, reply_to=topic)).encode()
         return value, sign(key, value)
 
     # a reply topic of tenant beta's own: a producer holding no key names it, with the request_id of a
@@ -306,6 +368,35 @@ async def test_a_worker_with_keys_serves_only_records_signed_within_their_keys_g
     # the unsigned record's refusal went to the default replies topic (where it was awaited), not the
     # topic it named: nobody vouches for an unsigned record's reply_to
     assert await d.read_topic(victim, 0, timeout_s=2) == []
+    # each reply to a signed record is signed back with its key (the refusals after the signature
+    # verified too, forwarded records' from the work item); the unsigned record's refusal is not
+    raw = {json.loads(r.value)["request_id"]: r for r in await d.read_topic(d.topics.replies, 7)}
+    signers = {
+        "ok-no-tenant": ACME,
+        "ok-forwarded": BETA,
+        "ok-escalation": risk_signer,
+        "claims-beta": ACME,
+        "too-high": ACME,
+    }
+    for rid, key in signers.items():
+        record = raw[f"r-{rid}"]
+        assert reply_signed_by(key, record.headers, record.value), rid
+        assert not reply_signed_by(BETA if key is ACME else ACME, record.headers, record.value), rid
+    assert not any(n == REPLY_SIGNATURE_HEADER for n, _ in raw["r-unsigned"].headers)
+
+    # tenant acme, signed within its grant, names beta's reply topic and the request_id of a request
+    # beta has in flight: its reply lands there first, under beta's id, signed with acme's key; beta's
+    # client drops it and takes its own reply when it comes
+    beta = await d.client(reply_topic=victim, signer=BETA)
+    awaited = beta.expect("r-inflight", BETA)
+    await c.send_raw(b"u-sig", *signed_to(victim, "inflight", ACME, "acme's own question"))
+    forged = await d.read_topic(victim, 1)
+    assert json.loads(forged[0].value)["request_id"] == "r-inflight"
+    # the victim topic has one partition: beta's reader meets acme's reply before its own
+    await beta.submit(request("inflight", "u-beta", "beta's own question", reply_to=victim))
+    (answer,) = await d.replies([awaited], 60)
+    assert beta.unverified == 1, "acme's reply under beta's request id was not dropped"
+    assert answer.status == "ok" and answer.answer == "beta's own question", answer
 
     # the gateway signs with its caller's key: a worker that wants signed records serves it
     gw = await start_gateway(d.settings, host="127.0.0.1", port=0)
@@ -330,10 +421,19 @@ def test_the_readmes_signing_example_signs_what_the_intake_verifies() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     block = readme.split("```python\n", 1)[1].split("```", 1)[0]
     source = "\n".join(line[2:] if line.startswith("  ") else line for line in block.splitlines())
-    definition = source[source.index("def signed(") : source.index("request_id = ")]
+    definition = source[source.index("def signed(") : source.index("def reply_is_mine(")]
     scope: dict[str, Any] = {"hashlib": hashlib, "hmac": hmac, "json": json}
     exec(definition, scope)
     value, headers = scope["signed"](ACME.key, request("readme", "alice"))
     assert RING.verify(headers, value) == ACME
     with pytest.raises(RequestSignatureError):
         RING.verify(headers, value + b" ")
+    # and its ``reply_is_mine`` accepts what a worker signs back with that key, nothing else
+    checker = source[source.index("def reply_is_mine(") : source.index("request_id = ")]
+    exec(checker, scope)
+    mine = scope["reply_is_mine"]
+    reply = b'{"request_id": "readme", "status": "ok"}'
+    assert mine(ACME.key, reply, sign_reply(ACME, reply))
+    assert not mine(ACME.key, reply, sign_reply(BETA, reply))
+    assert not mine(ACME.key, reply + b" ", sign_reply(ACME, reply))
+    assert not mine(ACME.key, reply, sign(ACME, reply))  # a request's signature is no reply's

@@ -115,9 +115,8 @@ class Deployment:
         from pipeline.admin import ensure_topics
 
         await ensure_topics(load_settings(self.env))
-        c = SurgeClient(
-            self.bootstrap, requests_topic=self.topics.requests, reply_topic=self.topics.replies, **kw
-        )
+        kw.setdefault("reply_topic", self.topics.replies)
+        c = SurgeClient(self.bootstrap, requests_topic=self.topics.requests, **kw)
         await c.start()
         self.clients.append(c)
         return c
