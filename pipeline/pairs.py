@@ -54,7 +54,7 @@ import numpy as np
 
 from pipeline.atomic import npz_bytes, replace_files
 from pipeline.exceptions import SurgeError
-from pipeline.guard import action_asymmetry, guard_allows, hard_conflict
+from pipeline.guard import GUARD_TEXT_CHARS, action_asymmetry, guard_allows, hard_conflict
 from pipeline.textcache import TextCache
 
 __all__ = [
@@ -265,17 +265,26 @@ def lexical_keys(text: str) -> frozenset[str]:
     return frozenset(s[i : i + 2] for i in range(len(s) - 1)) or frozenset(s)
 
 
+#: how much of a normalised text the pair features read: as much as the guard reads. A question is
+#: far shorter; what lies past the bound is compared whole by the guard (two texts that differ there
+#: never merge), so reading it too told the decision nothing and cost a 32 KiB request about half a
+#: second of the event loop per profile (docs/architecture.md, "Semantic dedup")
+PROFILE_TEXT_CHARS = GUARD_TEXT_CHARS
+
+
 def build_profile(text: str, idf: IdfTable) -> Profile:
-    """Read ``text`` once: normalised form, language, units, content weights, n-gram vector."""
+    """Read ``text`` once: normalised form (whole, for exact matches), and of its first
+    :data:`PROFILE_TEXT_CHARS` characters the language, units, content weights, n-gram vector."""
     from pipeline.dedup import normalize
 
     norm = normalize(text)
-    lang = language(norm)
-    units = _units(norm, lang)
+    read = norm[:PROFILE_TEXT_CHARS]
+    lang = language(read)
+    units = _units(read, lang)
     stop = STOPCHARS_ZH if lang == "zh" else STOPWORDS_EN
     content = {u: idf(f"u:{u}") for u in units if u not in stop}
     counts: dict[int, float] = {}
-    for g in _grams(norm, lang):
+    for g in _grams(read, lang):
         h = _hash(f"g:{g}")
         counts[h] = counts.get(h, 0.0) + 1.0
     weights = {h: c * idf.at(h) for h, c in counts.items()}

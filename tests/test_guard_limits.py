@@ -88,6 +88,27 @@ def test_texts_that_differ_past_the_bound_never_merge() -> None:
     assert hard_conflict(prefix + "thanks", prefix + "Thanks") is None
 
 
+def test_the_pair_features_read_what_the_guard_reads_and_the_guard_keeps_the_rest_apart() -> None:
+    """The learned decision's profile reads the first PROFILE_TEXT_CHARS of a normalised text (it
+    read all 32 KiB: half a second of the event loop per new long request); two texts alike there
+    and different past it still never merge, and alike throughout they do."""
+    from pipeline.pairs import PROFILE_TEXT_CHARS, IdfTable, build_profile
+
+    assert PROFILE_TEXT_CHARS == GUARD_TEXT_CHARS
+    prefix = "my card payment was declined at the shop and i was charged twice for it. " * 40
+    a, b = prefix + "refund the first charge", prefix + "keep both charges and close my account"
+    idf = IdfTable.uniform()
+    pa, pb = build_profile(a, idf), build_profile(b, idf)
+    assert pa.normalized != pb.normalized  # exact matches still compare whole texts
+    assert pa.content == pb.content and pa.n_units == pb.n_units
+    assert pa.gram_keys.tolist() == pb.gram_keys.tolist()
+    assert pa.gram_weights.tolist() == pb.gram_weights.tolist()
+    decision = decision_from_settings(Settings())
+    verdict = decision.decide(a, b, 0.99)
+    assert not verdict.merge and "differ past the first" in verdict.reason, verdict
+    assert decision.decide(a, a + " ", 0.99).merge
+
+
 def test_merge_find_on_two_long_runs_takes_milliseconds() -> None:
     """The merge check runs on the worker's event loop: two requests of one scope, each 32 KiB."""
     registry = MergeRegistry(decision=decision_from_settings(Settings()))
