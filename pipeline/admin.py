@@ -48,12 +48,23 @@ def topic_config(
     past, a request would miss its deadline inside the worker and count against the degradation
     controller's miss rate, degrading service for everyone (docs/architecture.md, "Degradation").
     ``broker_time=False`` keeps the producer's: a replay copies recorded requests with their
-    timestamps, which must survive the copy."""
+    timestamps, which must survive the copy.
+
+    The topics clients write (requests, risk events) are stored uncompressed
+    (``compression.type=uncompressed``): the broker then decompresses a producer's compressed batch
+    and refuses it when it is larger than ``max.message.bytes`` decompressed. Stored as the producer
+    sent it, a 50 KB gzip batch held a 50 MB record (1 MB of gzip holds about 1 GB) that every
+    consumer decompressed whole in memory, past every size check of the worker, and read again
+    after each restart (docs/architecture.md, "Security")."""
     if topic in compacted:
         return changelog_config(settings, topic)
-    if broker_time and topic == TopicNames(settings.topic_prefix).requests:
-        return {"message.timestamp.type": "LogAppendTime"}
-    return {}
+    names = TopicNames(settings.topic_prefix)
+    config: dict[str, str] = {}
+    if topic in (names.requests, names.risk_events):
+        config["compression.type"] = "uncompressed"
+    if broker_time and topic == names.requests:
+        config["message.timestamp.type"] = "LogAppendTime"
+    return config
 
 
 async def ensure_topics(

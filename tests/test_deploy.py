@@ -304,15 +304,25 @@ def test_topic_scripts_create_the_design_topics() -> None:
     for created in (_created_topics(script), _created_topics(job["args"][0])):
         assert sorted(created) == sorted(DESIGN_TOPICS)
     assert job["image"] == "apache/kafka:4.1.1"
-    # the request topic is stamped by the broker, as surge's own ensure_topics creates it
+    # the request topic is stamped by the broker, and the topics clients write are stored
+    # uncompressed (a compressed batch is then bounded decompressed), as ensure_topics creates them
     from pipeline.admin import topic_config
     from pipeline.settings import Settings
 
-    wanted = topic_config(Settings.load(), "surge.requests", set())
-    assert wanted == {"message.timestamp.type": "LogAppendTime"}
+    settings = Settings.load()
+    wanted = {
+        "requests": topic_config(settings, "surge.requests", set()),
+        "risk.events": topic_config(settings, "surge.risk.events", set()),
+    }
+    assert wanted == {
+        "requests": {"message.timestamp.type": "LogAppendTime", "compression.type": "uncompressed"},
+        "risk.events": {"compression.type": "uncompressed"},
+    }
     for text in (script, job["args"][0]):
-        (line,) = [ln for ln in text.splitlines() if ln.strip().startswith("create requests ")]
-        assert "--config message.timestamp.type=LogAppendTime" in line
+        for name, configs in wanted.items():
+            (line,) = [ln for ln in text.splitlines() if ln.strip().startswith(f"create {name} ")]
+            for key, value in configs.items():
+                assert f"--config {key}={value}" in line, (name, key)
 
 
 # --- compose ----------------------------------------------------------------------------------

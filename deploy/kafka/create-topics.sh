@@ -26,14 +26,14 @@ create() {  # create NAME [--config k=v ...]
 }
 
 # retention: requests and work 1 day, replies 1 day, dead letters 14 days, risk 7 days
-create requests          --config retention.ms=86400000 --config message.timestamp.type=LogAppendTime
+create requests          --config retention.ms=86400000 --config message.timestamp.type=LogAppendTime --config compression.type=uncompressed
 create work.realtime     --config retention.ms=86400000
 create work.interactive  --config retention.ms=86400000
 create work.batch        --config retention.ms=86400000
 create work.offline      --config retention.ms=86400000
 create replies           --config retention.ms=86400000
 create deadletter        --config retention.ms=1209600000
-create risk.events       --config retention.ms=604800000
+create risk.events       --config retention.ms=604800000 --config compression.type=uncompressed
 create risk.decisions    --config retention.ms=604800000
 create risk.late         --config retention.ms=604800000
 create risk.rules        --config cleanup.policy=compact
