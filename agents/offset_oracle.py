@@ -12,6 +12,7 @@ first without ever joining the group. See docs/architecture.md, "Guarantees".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -54,12 +55,21 @@ class OffsetOracle:
             raise BrokerError("the offset consumers are closed: the worker is stopping")
         if self._group is None or self._probe is None:
             group, probe = self._consumer(self.settings.group_id), self._consumer(None)
-            await group.start()
-            await probe.start()
-            # a consumer starts knowing no topic: its first ListOffsets would fail as stale, back off
-            # and retry (0.5 s at each worker start); the metadata fetched now answers it at once
-            await refresh_metadata(group)
-            await refresh_metadata(probe)
+            try:
+                await group.start()
+                await probe.start()
+                # a consumer starts knowing no topic: its first ListOffsets would fail as stale, back
+                # off and retry (0.5 s at each worker start); the metadata fetched now answers it
+                await refresh_metadata(group)
+                await refresh_metadata(probe)
+            except BaseException:
+                # a start that failed (the broker away) or was cancelled (a rebalance) leaves a
+                # consumer holding its connections: stopped here, since the next question makes
+                # new ones
+                for c in (group, probe):
+                    with contextlib.suppress(Exception):
+                        await c.stop()
+                raise
             self._group, self._probe = group, probe
         return self._group, self._probe
 

@@ -312,8 +312,8 @@ class RiskAgents:
             isolation_level="read_committed",
             **opts,
         )
-        await consumer.start()
         try:
+            await consumer.start()
             parts = await partitions_of(consumer, topic, tries=100)
             tps = [TopicPartition(topic, p) for p in parts]
             consumer.assign(tps)

@@ -109,8 +109,8 @@ class Escalations:
             fetch_max_wait_ms=250,
             **client_options(self.s),
         )
-        await consumer.start()
         try:
+            await consumer.start()
             parts = await partitions_of(consumer, self.reply_topic, tries=100)
             tps = [TopicPartition(self.reply_topic, p) for p in parts]
             consumer.assign(tps)

@@ -126,8 +126,8 @@ async def read_rule_records(
         isolation_level="read_committed",
         **(options or {}),
     )
-    await consumer.start()
     try:
+        await consumer.start()
         tps = [TopicPartition(topic, p) for p in await partitions_of(consumer, topic, tries=tries)]
         if not tps:
             return []
@@ -171,8 +171,8 @@ async def publish_rules(
         transaction_timeout_ms=RULES_TRANSACTION_TIMEOUT_MS,
         **(options or {}),
     )
-    await producer.start()
     try:
+        await producer.start()
         if only_if_empty and await read_rule_records(bootstrap, topic, options, tries=100):
             return False
         async with producer.transaction():

@@ -162,3 +162,33 @@ async def test_requests_from_a_transactional_producer_are_answered_and_committed
     finally:
         await admin.close()
     assert committed >= 2 * n - 1, f"commit stuck at {committed}: a marker held the run back"
+
+
+async def test_a_start_that_fails_leaves_no_consumer_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The broker away when a partition is assigned: the question fails, and the consumers made for
+    it are stopped (each failed start left two open, holding their connections, one pair per
+    question asked during the outage)."""
+    import gc
+    import warnings
+
+    from aiokafka.errors import KafkaConnectionError
+
+    oracle = OffsetOracle(Settings.load(broker="kafka://127.0.0.1:1"))
+    made: list[AIOKafkaConsumer] = []
+    make = oracle._consumer
+
+    def tracked(group_id: str | None) -> AIOKafkaConsumer:
+        made.append(make(group_id))
+        return made[-1]
+
+    monkeypatch.setattr(oracle, "_consumer", tracked)
+    for _ in range(2):
+        with pytest.raises(KafkaConnectionError):
+            await oracle.start_of("anything", 0)
+    assert len(made) == 4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        made.clear()
+        gc.collect()
+    unclosed = [w for w in caught if "Unclosed AIOKafkaConsumer" in str(w.message)]
+    assert unclosed == [], unclosed

@@ -56,8 +56,8 @@ async def warm_broker(bootstrap: str, seconds: float, security: dict[str, Any] |
     sec = security or {}
     topic = f"surge-broker-warmup-{uuid.uuid4().hex[:8]}"
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **sec)
-    await admin.start()
     try:
+        await admin.start()
         await admin.create_topics([NewTopic(topic, PARTITIONS, 1)])
         producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=0, acks="all", **sec)
         consumer = AIOKafkaConsumer(

@@ -172,8 +172,8 @@ class Deployment:
         consumer = AIOKafkaConsumer(
             bootstrap_servers=self.bootstrap, group_id=self.env["SURGE_APP_ID"], enable_auto_commit=False
         )
-        await consumer.start()
         try:
+            await consumer.start()
             await refresh_metadata(consumer)
             tps = [
                 TopicPartition(x, p) for x in topics for p in sorted(consumer.partitions_for_topic(x) or ())
@@ -197,8 +197,8 @@ class Deployment:
         from aiokafka import AIOKafkaConsumer, TopicPartition
 
         consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
-        await consumer.start()
         try:
+            await consumer.start()
             parts = await partitions_of(consumer, topic, tries=50)
             tps = [TopicPartition(topic, p) for p in parts]
             consumer.assign(tps)

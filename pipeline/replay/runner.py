@@ -210,9 +210,9 @@ async def read_ranges(consumer: AIOKafkaConsumer, topic: str, ranges: Iterable[P
 async def read_since(s: Settings, topics: Iterable[str], since_ms: int) -> list[Any]:
     """Every record of ``topics`` with a timestamp from ``since_ms`` on (those that exist), no group."""
     consumer = groupless_consumer(s)
-    await consumer.start()
     out: list[Any] = []
     try:
+        await consumer.start()
         for topic in sorted(set(topics)):
             parts = await partitions_of(consumer, topic, tries=5)
             if not parts:
@@ -238,8 +238,8 @@ async def create_own_topics(
         if not names.owns(name):
             raise ReplayError(f"refusing to create {name!r}: not a topic of replay {names.replay_id}")
     admin = AIOKafkaAdminClient(bootstrap_servers=s.bootstrap_servers, **client_options(s))
-    await admin.start()
     try:
+        await admin.start()
         existing = set(await admin.list_topics())
         new = [
             NewTopic(n, partitions, s.replication_factor, topic_configs=dict(c))
@@ -256,8 +256,8 @@ async def create_own_topics(
 async def delete_own_topics(s: Settings, names: ReplayNames) -> list[str]:
     """Delete every topic the replay owns (its prefix or its app id); nothing else."""
     admin = AIOKafkaAdminClient(bootstrap_servers=s.bootstrap_servers, **client_options(s))
-    await admin.start()
     try:
+        await admin.start()
         mine = sorted(t for t in await admin.list_topics() if names.owns(t))
         if mine:
             await admin.delete_topics(mine)
@@ -446,8 +446,8 @@ async def run_replay(opts: ReplayOptions, settings: Settings | None = None) -> R
     say = (lambda *_: None) if opts.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
 
     consumer = groupless_consumer(s)
-    await consumer.start()
     try:
+        await consumer.start()
         parts, ranges = await locate(consumer, source, opts.from_ms, opts.to_ms)
         records = await read_ranges(consumer, source, ranges)
         warm: list[Any] = []

@@ -270,9 +270,9 @@ class Shadow:
         target = self.own_t.requests
         if not self.names.owns(target):
             raise ReplayError(f"refusing to write {target!r}")
-        await consumer.start()
-        await producer.start()
         try:
+            await consumer.start()
+            await producer.start()
             for _ in range(600):  # the group's first assignment
                 if consumer.assignment():
                     break
@@ -354,9 +354,9 @@ class Shadow:
         """Live replies of sampled requests, from every live reply topic (no group), from the time
         the sampler resumes at (docs/architecture.md, "Replay")."""
         consumer = groupless_consumer(self.s)
-        await consumer.start()
         assigned: set[TopicPartition] = set()
         try:
+            await consumer.start()
             await self.resumed.wait()
             from_ms = self.live_from_ms
             assert from_ms is not None
@@ -478,9 +478,9 @@ async def first_timestamps(s: Settings, positions: Mapping[TopicPartition, int])
     """The timestamp of the record at (or the first after) each offset of ``positions``, read by a
     consumer with no group; a partition with none in :data:`PEEK_TIMEOUT_S` is left out."""
     consumer = groupless_consumer(s, auto_offset_reset="earliest")
-    await consumer.start()
     found: dict[TopicPartition, int] = {}
     try:
+        await consumer.start()
         consumer.assign(sorted(positions))
         for tp, pos in positions.items():
             consumer.seek(tp, pos)
@@ -514,8 +514,8 @@ async def run_shadow(opts: ShadowOptions, settings: Settings | None = None) -> d
     """Run a shadow until SIGINT/SIGTERM or ``opts.duration_s``; the final report."""
     s = settings or Settings.load()
     consumer = groupless_consumer(s)
-    await consumer.start()
     try:
+        await consumer.start()
         parts = await partitions_of(consumer, TopicNames(s.topic_prefix).requests)
     finally:
         await consumer.stop()

@@ -54,9 +54,9 @@ async def serve(bootstrap: str, topic: str, group: str, default_reply_to: str) -
         fetch_max_wait_ms=50,
     )
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=2)
-    await producer.start()
-    await consumer.start()
     try:
+        await producer.start()
+        await consumer.start()
         announced = False
         while True:
             batches = await consumer.getmany(timeout_ms=100, max_records=500)

@@ -102,15 +102,15 @@ class Probes(Background):
 
 async def _live_state(bootstrap: str, app_id: str, prefix: str) -> dict[str, Any]:
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
     try:
+        await admin.start()
         committed = await admin.list_consumer_group_offsets(app_id)
         topics = sorted(t for t in await admin.list_topics() if t.startswith((prefix, f"{app_id}-")))
     finally:
         await admin.close()
     consumer = plain_consumer(bootstrap)
-    await consumer.start()
     try:
+        await consumer.start()
         await consumer.topics()
         ends = {}
         for t in topics:

@@ -35,8 +35,8 @@ from pipeline.topics import TopicNames
 async def read_all(bootstrap: str, topic: str, options: dict[str, Any] | None = None) -> dict[int, list[Any]]:
     """Every record of ``topic`` up to its current end, by partition, in offset order."""
     consumer = plain_consumer(bootstrap, options)
-    await consumer.start()
     try:
+        await consumer.start()
         tps = [TopicPartition(topic, p) for p in await partitions_of(consumer, topic, 100)]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)

@@ -466,9 +466,9 @@ class ReplyReader(Background):
 
         have = {(x.partition, x.offset) for x in self.seen}
         consumer = plain_consumer(self.bootstrap, self.security, auto_offset_reset="earliest")
-        await consumer.start()
         added = 0
         try:
+            await consumer.start()
             tps = [TopicPartition(self.topic, p) for p in self.starts]
             consumer.assign(tps)
             for tp in tps:
@@ -681,8 +681,8 @@ async def _committed(
     from aiokafka.admin import AIOKafkaAdminClient
 
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000, **(security or {}))
-    await admin.start()
     try:
+        await admin.start()
         got = await admin.list_consumer_group_offsets(group)
         return {(tp.topic, tp.partition): c.offset for tp, c in got.items() if c.offset >= 0}
     finally:
@@ -704,8 +704,8 @@ async def _trace(
 
     needles = {f'"{r}"'.encode(): r for r in wanted}
     consumer = plain_consumer(bootstrap, security, auto_offset_reset="earliest")
-    await consumer.start()
     try:
+        await consumer.start()
         await refresh_metadata(consumer)
         names = [topics.requests, *map(topics.work, PRIORITIES), topics.deadletter, topics.replies]
         tps = [TopicPartition(t, p) for t in names for p in sorted(consumer.partitions_for_topic(t) or ())]
