@@ -157,6 +157,21 @@ class ReplyClient(TopicReader, Generic[A]):
         if fut is not None and not fut.done():
             fut.set_result(answer)
 
+    def fail_unsent(self, key: str, delivery: asyncio.Future[Any]) -> None:
+        """Fail the future of ``key``'s answer when ``delivery`` (the producer's acknowledgement of
+        what was sent for it) fails: nothing will answer a record the broker never took, and a
+        caller not awaiting the delivery would otherwise wait for good."""
+
+        def done(ack: asyncio.Future[Any]) -> None:
+            exc = BrokerError("the send was cancelled") if ack.cancelled() else ack.exception()
+            if exc is None:
+                return
+            fut = self._waiting.pop(key, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(BrokerError(f"{key[:80]} was not written to Kafka: {exc!r}"))
+
+        delivery.add_done_callback(done)
+
 
 class SurgeClient(ReplyClient[InferenceReply]):
     """Async client of one surge deployment."""
@@ -281,12 +296,18 @@ class SurgeClient(ReplyClient[InferenceReply]):
         self, request: dict[str, Any], *, signer: ApiKey | None = None
     ) -> asyncio.Future[InferenceReply]:
         """Send one request (a dict in the InferenceRequest format), signed with ``signer`` (default:
-        the client's own, if any); returns the future of its reply."""
+        the client's own, if any); returns the future of its reply, failed with
+        :class:`BrokerError` if the broker never takes the request."""
         request = dict(request)
         request.setdefault("created_at", now_ms())
         request.setdefault("reply_to", self.reply_topic)
-        fut = self.expect(request["request_id"], signer or self.signer)
-        await self.produce(request, signer)
+        rid = request["request_id"]
+        fut = self.expect(rid, signer or self.signer)
+        try:
+            self.fail_unsent(rid, await self.produce(request, signer))
+        except BaseException:
+            self.forget(rid)
+            raise
         return fut
 
     async def request(self, request: dict[str, Any], timeout_s: float = 30.0) -> InferenceReply:

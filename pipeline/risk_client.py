@@ -81,13 +81,21 @@ class RiskClient(ReplyClient[RiskDecision]):
                     self._answered(d.event_id, d)
 
     async def send(self, event: dict[str, Any], *, wait: bool = False) -> asyncio.Future[RiskDecision]:
-        """Produce one event (keyed by its account); returns the future of its decision."""
-        fut = self.expect(str(event.get("event_id")))
+        """Produce one event (keyed by its account); returns the future of its decision, failed with
+        :class:`~pipeline.exceptions.BrokerError` if the broker never takes the event (``wait``:
+        the send itself raises then)."""
+        eid = str(event.get("event_id"))
+        fut = self.expect(eid)
         key = event.get("account")
-        send = self.producer.send_and_wait if wait else self.producer.send
-        await send(
-            self.events_topic, value=json.dumps(event).encode(), key=str(key).encode() if key else None
-        )
+        value, k = json.dumps(event).encode(), str(key).encode() if key else None
+        try:
+            if wait:
+                await self.producer.send_and_wait(self.events_topic, value=value, key=k)
+            else:
+                self.fail_unsent(eid, await self.producer.send(self.events_topic, value=value, key=k))
+        except BaseException:
+            self.forget(eid)
+            raise
         return fut
 
     async def send_raw(self, key: bytes | None, value: bytes) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -173,15 +174,16 @@ async def test_a_start_that_fails_leaves_no_consumer_open(monkeypatch: pytest.Mo
 
     from aiokafka.errors import KafkaConnectionError
 
+    import agents.offset_oracle
+
     oracle = OffsetOracle(Settings.load(broker="kafka://127.0.0.1:1"))
     made: list[AIOKafkaConsumer] = []
-    make = oracle._consumer
 
-    def tracked(group_id: str | None) -> AIOKafkaConsumer:
-        made.append(make(group_id))
+    def tracked(*args: Any, **kw: Any) -> AIOKafkaConsumer:
+        made.append(AIOKafkaConsumer(*args, **kw))
         return made[-1]
 
-    monkeypatch.setattr(oracle, "_consumer", tracked)
+    monkeypatch.setattr(agents.offset_oracle, "AIOKafkaConsumer", tracked)
     for _ in range(2):
         with pytest.raises(KafkaConnectionError):
             await oracle.start_of("anything", 0)

@@ -6,6 +6,7 @@ events), rule updates without a restart, and recovery from the changelog after a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -77,12 +78,29 @@ async def risk_client(d: Any) -> RiskClient:
     return c
 
 
+async def undecided_report(d: Any, missing: list[str], total: int) -> str:
+    """Where the events without a decision are: on the events topic (partition@offset) or not, and
+    whether a decision for them is on the decisions topic after all (the client missed it)."""
+    where: dict[str, list[str]] = {eid: [] for eid in missing}
+    for topic, kind in ((d.topics.risk_events, "event"), (d.topics.risk_decisions, "decision")):
+        for r in await d.read_topic(topic, timeout_s=5):
+            with contextlib.suppress(ValueError, AttributeError):
+                eid = json.loads(r.value).get("event_id")
+                if eid in where:
+                    where[eid].append(f"{kind} at {r.partition}@{r.offset}")
+    return f"{len(missing)} of {total} events without a decision after the crash: {where}"
+
+
 async def assert_all_decided_as_recomputed(d: Any, c: RiskClient, futs: dict[str, Any]) -> dict[str, Any]:
     """Every event sent (``futs``) gets a decision within 120 s, and every decision, repeats after a
     crash included, holds the features the brute-force recomputation gives (nothing late wrongly);
     the check's report."""
     _, pending = await asyncio.wait(futs.values(), timeout=120)
-    assert not pending, f"{len(pending)} of {len(futs)} events without a decision after the crash"
+    unsent = {eid: f.exception() for eid, f in futs.items() if f.done() and f.exception() is not None}
+    assert not unsent, f"events the broker never took (the test's producer, not the worker): {unsent}"
+    if pending:
+        missing = [eid for eid, f in futs.items() if f in pending]
+        raise AssertionError(await undecided_report(d, missing, len(futs)))
     await asyncio.sleep(2)  # repeats of decisions made before the crash arrive too
     decisions = [dec for dec, _ in c.decisions]
     report = check_decisions(await read_arrivals(d.settings), decisions, feature_config(d.settings), futs)
