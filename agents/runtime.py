@@ -18,6 +18,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import faust
+from aiokafka.errors import (
+    CorruptRecordException,
+    InvalidTopicError,
+    MessageSizeTooLargeError,
+    PolicyViolationError,
+    RecordListTooLargeError,
+    TopicAuthorizationFailedError,
+)
 from aiokafka.partitioner import DefaultPartitioner
 from faust.types import EventT
 
@@ -67,6 +75,16 @@ DEADLETTER_RAW_BYTES = 600_000
 
 #: how often a failed send is tried again before the worker gives up (and stops, see Acker)
 SEND_ATTEMPTS = 4
+#: the broker's answers that no retry changes for a client's reply topic: the topic's configuration
+#: or ACLs refuse the record (a transient error, a timeout included, is retried as before)
+REFUSED_FOR_GOOD: tuple[type[Exception], ...] = (
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    TopicAuthorizationFailedError,
+    PolicyViolationError,
+    InvalidTopicError,
+    CorruptRecordException,
+)
 
 #: how long a reply waits for its reply-book record's acknowledgement before the record is sent
 #: again (a record stuck on its way must not hold every later reply back without a word)
@@ -261,17 +279,22 @@ class Runtime:
         except Exception:
             return True
 
-    async def undeliverable(self, topic: str, key: str | bytes | None, data: bytes) -> Awaitable[Any]:
-        """A reply whose topic is gone: written to the dead-letter topic (reason
-        ``reply_topic_missing``, the reply as its raw record) in place of the reply, so its request
-        is acked and nothing waits for a topic that will not come back."""
+    async def undeliverable(
+        self, topic: str, key: str | bytes | None, data: bytes, refusal: Exception | None = None
+    ) -> Awaitable[Any]:
+        """A reply whose topic is gone, or refuses it for good (``refusal``: a record too large for
+        the topic's ``max.message.bytes``, a policy, no write access): written to the dead-letter
+        topic (reason ``reply_topic_missing`` or ``reply_refused``, the reply as its raw record) in
+        place of the reply, so its request is acked and nothing waits for a topic that will not
+        take it."""
         k = key.encode() if isinstance(key, str) else key
-        reason = "reply_topic_missing"
-        dl = DeadLetter.of(
-            topic, -1, -1, reason, f"reply topic {topic!r} no longer exists", k, data, DEADLETTER_RAW_BYTES
-        )
+        if refusal is None:
+            reason, why = "reply_topic_missing", f"reply topic {topic!r} no longer exists"
+        else:
+            reason, why = "reply_refused", f"reply topic {topic!r} refused the reply: {refusal!r}"
+        dl = DeadLetter.of(topic, -1, -1, reason, why, k, data, DEADLETTER_RAW_BYTES)
         self.metrics.deadletter.labels(reason=reason).inc()
-        log.warning("reply to %s dead-lettered: the topic no longer exists", topic)
+        log.warning("reply dead-lettered: %s", why)
         return await self.send(self.topics.deadletter, None if k is None else deadletter_key(k), encode(dl))
 
     async def _recorded_durably(self, key: str, ack: Awaitable[Any]) -> None:
@@ -443,8 +466,12 @@ class _Delivery:
             try:
                 return await self.fut
             except Exception as exc:
-                # a client's reply topic deleted after the producer learnt of it: the reply goes to
-                # the dead-letter topic rather than failing the worker
+                # a client's reply topic deleted after the producer learnt of it, or one that refuses
+                # the reply for good (a client chooses its topic's configuration: a small
+                # max.message.bytes made every worker that read the request stop, one after the
+                # other): the reply goes to the dead-letter topic rather than failing the worker
+                if self.reply and isinstance(exc, REFUSED_FOR_GOOD):
+                    return await (await self.rt.undeliverable(self.topic, self.key, self.value, exc))
                 if self.reply and not await self.rt.reply_topic_present(self.topic, ask_broker=True):
                     return await (await self.rt.undeliverable(self.topic, self.key, self.value))
                 if attempt == SEND_ATTEMPTS:

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.partitioner import DefaultPartitioner
 from confluent_kafka import Producer
 from faust.types.tuples import FutureMessage
@@ -376,6 +376,34 @@ async def test_a_reply_topic_deleted_after_intake_gets_a_dead_letter_not_a_stall
         assert [(d.source_topic, d.reason) for d in letters] == [(gone, "reply_topic_missing")]
         assert b"reply to a topic I delete" in base64.b64decode(letters[0].raw_b64)
         assert w.metric("surge_deadletter_total", reason="reply_topic_missing") == 1
+
+
+async def test_a_reply_topic_that_refuses_the_reply_gets_a_dead_letter_not_a_stopped_worker(
+    kafka: EmbeddedKafka, tmp_path: Path
+) -> None:
+    """A client names a reply topic of its own whose max.message.bytes its reply exceeds: the broker
+    refuses the reply for good. The worker retried it, then stopped; the next owner read the request
+    again, re-sent the recorded reply and stopped too. Now the reply is dead-lettered (reason
+    ``reply_refused``), the request acked, and the worker goes on serving."""
+    async with inprocess(kafka, tmp_path) as w:
+        tiny = f"{w.topics.replies}.tiny"
+        admin = AIOKafkaAdminClient(bootstrap_servers=w.deployment.bootstrap)
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(tiny, 1, 1, topic_configs={"max.message.bytes": "1000"})])
+        finally:
+            await admin.close()
+        text = "a question far longer than its reply topic takes " * 60
+        refused = await w.client.submit(request("refused", "mallory", text, reply_to=tiny))
+        await w.client.producer.flush()
+        letters = [DeadLetter.model_validate_json(r.value) for r in await w.records(w.topics.deadletter, 1)]
+        assert [(d.source_topic, d.reason) for d in letters] == [(tiny, "reply_refused")]
+        assert "MessageSizeTooLargeError" in letters[0].message
+        (after,) = await w.replies(await w.client.submit(request("after", "alice", "my own question")))
+        assert after.status == "ok" and after.answer == "my own question"
+        await w.settled()
+        assert not refused.done(), "the reply reached no topic the client could read"
+        assert w.metric("surge_deadletter_total", reason="reply_refused") == 1
 
 
 async def test_a_redelivered_request_gets_the_recorded_reply_byte_for_byte(
