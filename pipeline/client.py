@@ -166,7 +166,8 @@ class ReplyClient(TopicReader, Generic[A]):
             exc = BrokerError("the send was cancelled") if ack.cancelled() else ack.exception()
             if exc is None:
                 return
-            fut = self._waiting.pop(key, None)
+            fut = self._waiting.get(key)
+            self.forget(key)  # and whatever a subclass keeps for it (SurgeClient: its reply's key)
             if fut is not None and not fut.done():
                 fut.set_exception(BrokerError(f"{key[:80]} was not written to Kafka: {exc!r}"))
 

@@ -735,6 +735,15 @@ class Settings(BaseSettings):
                 "kafka_request_auth='signed' needs api_keys (SURGE_API_KEYS): a signed record names one "
                 "of its keys; set them, or kafka_request_auth='open' for development"
             )
+        if self.risk_escalation_key is not None:
+            shared = [i + 1 for i, k in enumerate(keys) if k.tenant == self.risk_escalation_tenant]
+            if shared:
+                # the tenant's rate-limit bucket and cache scope would be the escalations' too: a
+                # client flooding it would have every escalation answered rate_limited
+                raise ValueError(
+                    f"api_keys entries {shared} have tenant {self.risk_escalation_tenant!r}, the risk "
+                    "workers' escalation tenant (risk_escalation_tenant); give them another tenant"
+                )
         proto = self.kafka_security_protocol
         if proto.startswith("SASL_") and not (self.kafka_sasl_username and self.kafka_sasl_password):
             raise ValueError(

@@ -231,6 +231,21 @@ def test_the_setting_signs_where_keys_are_set_and_refuses_signed_without_keys() 
     assert open_copy.requests_signed is False, "computed each time: a copy never carries a stale value"
 
 
+def test_no_api_key_may_share_the_escalation_tenant() -> None:
+    """With escalation on, a key of the escalation tenant would share its rate-limit buckets and
+    cache scope: a client flooding them had every escalation answered rate_limited. Refused at start,
+    naming the entry; without the escalation key, any tenant goes."""
+    keys = KEYS + ",k-risky:risk"
+    with pytest.raises(SettingsError, match=r"api_keys entries \[3\] have tenant 'risk'"):
+        Settings.load(api_keys=keys, risk_escalation_key=ESCALATION_KEY)
+    with pytest.raises(SettingsError, match="tenant 'fraud'"):
+        Settings.load(
+            api_keys=KEYS + ",k-f:fraud", risk_escalation_key=ESCALATION_KEY, risk_escalation_tenant="fraud"
+        )
+    assert Settings.load(api_keys=keys).requests_signed
+    assert Settings.load(api_keys=KEYS, risk_escalation_key=ESCALATION_KEY).requests_signed
+
+
 # ---- a replay's copy of a signed record (pure) -------------------------------------------------------
 
 
