@@ -138,7 +138,10 @@ def _strip_punctuation(text: str) -> str:
     digits = [ch for ch in distinct if ch.isdigit()]
     if not digits:
         return text.translate(dict.fromkeys(map(ord, punct), " "))
-    p, d = _char_class(punct), _char_class(digits)
+    # ASCII digits (nearly every text) as one fixed class: the pattern then depends on the
+    # punctuation alone, which few texts vary, so re's cache of compiled patterns serves it
+    d = "[0-9]" if all(ch.isascii() for ch in digits) else _char_class(digits)
+    p = _char_class(punct)
     return re.sub(f"(?<!{d}){p}|{p}(?!{d})", " ", text)
 
 
