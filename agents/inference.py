@@ -42,6 +42,7 @@ from pipeline.cache import AnswerCache, CachedAnswer
 from pipeline.compat import producer_buffer_size
 from pipeline.dedup import is_embeddable
 from pipeline.degrade import DegradationController, DegradePlan, MissRateWindow, pressure_depth
+from pipeline.embed_window import EmbedWindow
 from pipeline.exceptions import DeadlineExceededError, SurgeError
 from pipeline.inference_config import degrade_config, scheduler_config
 from pipeline.intake_backlog import holding_would_block
@@ -136,6 +137,8 @@ class Inference:
         #: admitted items waiting to be embedded, per class
         self._arrivals: dict[str, deque[Pending]] = {priority: deque() for priority in PRIORITIES}
         self._arrived = asyncio.Event()
+        #: when the idle embedding stage waits for company (pipeline/embed_window.py)
+        self.embed_window = EmbedWindow(rt.settings.embed_max_wait_ms)
         #: set whenever items leave the arrivals or the queue (readers may have room again)
         self._room = asyncio.Event()
         #: requests admitted and not yet answered, by reply key (a redelivered copy becomes a twin)
@@ -354,6 +357,7 @@ class Inference:
                 await self.replies.send([Outcome(pending, answer, "template")])
                 return
         self._arrivals[priority].append(pending)
+        self.embed_window.arrived(_clock_ms())
         self._arrived.set()
 
     def wake_readers(self) -> None:
@@ -500,12 +504,37 @@ class Inference:
         """Embed arrivals in batches, then answer from cache, merge, or queue each one."""
         await self.ready.wait()
         while True:
+            idle = not any(self._arrivals.values())
             await self._arrived.wait()
+            if idle:
+                await self._hold_window()
             self._arrived.clear()
             items, expired = self._take_arrivals()
             if any(self._arrivals.values()):
                 self._arrived.set()
             await self._embed_and_route(items, expired)
+
+    async def _hold_window(self) -> None:
+        """The stage was idle and an item arrived: wait a little for company when arrivals come
+        often enough that a call of several questions is likely (:class:`EmbedWindow`), so MiniLM
+        runs fewer, fuller calls; a real-time arrival or a full batch closes the window."""
+        s = self.rt.settings
+        if self.embedder is None or not (self.use_vectors or s.dedup_enabled or s.cache_enabled):
+            return
+        window = self.embed_window
+        if not window.open(_clock_ms()):
+            return
+        limit = min(
+            embed_batch_limit(s.embed_max_batch_size, s.embed_budget_ms, self.embed_ms_per_item),
+            s.embed_queue_limit,
+        )
+        arrivals = self._arrivals
+        while left_ms := window.left_ms(
+            _clock_ms(), sum(map(len, arrivals.values())), limit, bool(arrivals[Priority.REALTIME])
+        ):
+            self._arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), left_ms / 1000)
 
     async def _embed_and_route(self, items: list[Pending], expired: list[Pending]) -> None:
         """One batch of the embedding stage: the expired ones answered late, the others embedded,
@@ -885,6 +914,11 @@ class Inference:
             if pending.vector is not None and self._semantic_ok(pending)
             else None,
         )
+
+
+def _clock_ms() -> float:
+    """A monotonic clock in ms, for the embedding window."""
+    return time.monotonic() * 1000.0
 
 
 def _ewma(old: float, new: float, alpha: float = 0.2) -> float:

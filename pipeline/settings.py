@@ -304,6 +304,14 @@ class Settings(BaseSettings):
     embed_max_batch_size: int = Field(
         64, ge=1, le=1024, description="most questions embedded in one call (calls grow with the backlog)"
     )
+    embed_max_wait_ms: float = Field(
+        30.0,
+        ge=0,
+        le=2000,
+        description="longest an idle embedding stage waits after an arrival for more to embed in the "
+        "same call, ms; only while arrivals come at least this often, never for a real-time one "
+        "(0: each arrival is embedded at once)",
+    )
     embed_chunk_size: int = Field(
         0,
         ge=0,

@@ -1173,6 +1173,36 @@ class _RecordingEmbedder:
         return self.real.embed(texts)
 
 
+@pytest.mark.parametrize("window_ms", [0, 2000])
+async def test_an_idle_embedding_stage_waits_for_company_while_its_window_is_open(
+    kafka: EmbeddedKafka, tmp_path: Path, window_ms: int
+) -> None:
+    """With ``embed_max_wait_ms`` set, a question that finds the embedding stage idle while arrivals
+    come often enough waits for the next one, and both are embedded in one call; a real-time one is
+    embedded at once (docs/architecture.md, "The embedding window")."""
+    async with inprocess(kafka, tmp_path, dedup_enabled="true", embed_max_wait_ms=str(window_ms)) as w:
+        inf = w.rt.inference
+        assert inf.embedder is not None
+        rec = _RecordingEmbedder(inf.embedder, call_s=0.0)
+        inf.embedder = rec
+        texts = ("how do I close my savings account", "where can I see the limit on my card")
+        first = await w.client.submit(request("a", "ua", texts[0], priority="interactive"))
+        await w.client.producer.flush()
+        await asyncio.sleep(0.5)
+        second = await w.client.submit(request("b", "ub", texts[1], priority="interactive"))
+        answers = await w.replies(first, second)
+        assert all(a.status == "ok" for a in answers)
+        together = any(texts[0] in call and texts[1] in call for call in rec.calls)
+        assert together == bool(window_ms), f"embedding calls: {rec.calls}"
+        sent = time.monotonic()
+        urgent = await w.client.submit(request("rt", "ur", "was this transfer a fraud", priority="realtime"))
+        (answer,) = await w.replies(urgent)
+        took_s = time.monotonic() - sent
+        assert answer.status == "ok"
+        assert took_s < 1.6, f"the real-time request waited out the window: {took_s:.2f} s"
+        assert ["was this transfer a fraud"] in rec.calls, "a real-time question is embedded alone"
+
+
 @pytest.mark.parametrize("yields", [True, False])
 async def test_a_real_time_request_is_embedded_between_the_forward_passes_of_batch_work(
     kafka: EmbeddedKafka, tmp_path: Path, yields: bool

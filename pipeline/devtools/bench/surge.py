@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -214,27 +215,48 @@ def measure_limit(texts: Sequence[str], batches: int) -> dict[str, Any]:
 
 
 # ---- processes -----------------------------------------------------------------------------------
-def tree_rss_kb(pid: int) -> int | None:
-    """VmRSS of ``pid`` and its descendants, kB (None when it is gone)."""
-    total, seen, todo = 0, set(), [pid]
-    found = False
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and its descendants (those still there)."""
+    found: list[int] = []
+    seen: set[int] = set()
+    todo = [pid]
     while todo:
         p = todo.pop()
         if p in seen:
             continue
         seen.add(p)
         try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-                    found = True
-                    break
             for task in Path(f"/proc/{p}/task").iterdir():
                 with contextlib.suppress(OSError):
                     todo.extend(int(c) for c in (task / "children").read_text().split())
         except (OSError, ValueError):
             continue
+        found.append(p)
+    return found
+
+
+def tree_rss_kb(pid: int) -> int | None:
+    """VmRSS of ``pid`` and its descendants, kB (None when it is gone)."""
+    total, found = 0, False
+    for p in tree_pids(pid):
+        with contextlib.suppress(OSError, ValueError):
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+                    found = True
+                    break
     return total if found else None
+
+
+def tree_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) ``pid`` and its descendants have used so far (None when gone)."""
+    ticks, found = 0, False
+    for p in tree_pids(pid):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+            found = True
+    return ticks / os.sysconf("SC_CLK_TCK") if found else None
 
 
 def http_json(port: int, path: str, timeout_s: float = 1.0) -> str | None:
@@ -256,6 +278,7 @@ class Sample:
     depth: dict[str, float] = field(default_factory=dict)
     per_worker: float | None = None
     rss_kb: int | None = None
+    cpu_s: float | None = None
     assigned: int | None = None
 
 
@@ -273,7 +296,13 @@ class Scraper(Background):
     def _one(self, name: str, port: int, pid: int | None) -> Sample:
         t = time.time()
         text = http_json(port, "/metrics")
-        s = Sample(t, name, text is not None, rss_kb=tree_rss_kb(pid) if pid else None)
+        s = Sample(
+            t,
+            name,
+            text is not None,
+            rss_kb=tree_rss_kb(pid) if pid else None,
+            cpu_s=tree_cpu_s(pid) if pid else None,
+        )
         if text is not None:
             with contextlib.suppress(Exception):
                 m = scrape(text)
@@ -1057,6 +1086,8 @@ def analyse(
         ]
         lags = [r.lag_ms for r in recs]
         rss = [s.rss_kb for s in span if s.rss_kb]
+        cpu = [(s.t, s.cpu_s) for s in span if s.cpu_s is not None]
+        cpu_used = cpu[-1][1] - cpu[0][1] if len(cpu) > 1 else None
         steps[w["name"]] = {
             "offered_rps": w["rate_rps"],
             "duration_s": w["duration_s"],
@@ -1083,6 +1114,13 @@ def analyse(
             "max_kafka_lag": max((v for t, v in lag_totals if w["start"] <= t < w["end"]), default=None),
             "max_kafka_lag_by_topic": run["lag"].peak_by_topic(w["start"], w["end"]),
             "peak_rss_mib": round(max(rss) / 1024, 1) if rss else None,
+            # the worker's CPU (all its threads) over the step: cores busy, and ms per answered request
+            "worker_cpu_cores": round(cpu_used / (cpu[-1][0] - cpu[0][0]), 3)
+            if cpu_used is not None
+            else None,
+            "worker_cpu_ms_per_answer": round(cpu_used * 1000 / len(first_in), 2)
+            if cpu_used is not None and first_in
+            else None,
             "scrapes": len(span),
             "scrapes_failed": sum(1 for s in span if not s.up),
         }
