@@ -48,7 +48,9 @@ def _shadow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **opts: Any) -> Sha
     s = Settings.load(broker="kafka://127.0.0.1:1")
     sh = Shadow(ShadowOptions(percent=100, out_dir=tmp_path / "out", quiet=True, **opts), s, partitions=1)
     monkeypatch.setattr(sh.collector, "start", _nothing)
-    monkeypatch.setattr(sh.collector, "stop", _nothing)
+    # never started, its consumer is still closed: left open, aiokafka warned "Unclosed
+    # AIOKafkaConsumer" as the test process exited
+    monkeypatch.setattr(sh.collector, "stop", sh.collector.consumer.stop)
     return sh
 
 
@@ -91,6 +93,30 @@ async def test_the_ready_file_says_whether_this_run_is_ready(
         task.cancel()
     assert report["shadow"]["final"] and report["shadow"]["error"] is None
     assert not ready_file.exists()
+
+
+async def test_a_shadow_that_fails_before_it_starts_closes_its_reply_collector(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reply collector's consumer is made with the shadow; a shadow whose topics cannot be made
+    (the broker unreachable) still closes it."""
+    sh = _shadow(tmp_path, monkeypatch)
+
+    async def unreachable(*_a: Any, **_k: Any) -> None:
+        raise OSError("broker unreachable")
+
+    stopped: list[bool] = []
+    close = sh.collector.consumer.stop
+
+    async def stop() -> None:
+        stopped.append(True)
+        await close()
+
+    monkeypatch.setattr(shadow_mod, "ensure_topics", unreachable)
+    monkeypatch.setattr(sh.collector, "stop", stop)
+    with pytest.raises(OSError, match="broker unreachable"):
+        await sh.run()
+    assert stopped, "the collector's consumer was left open"
 
 
 @pytest.mark.parametrize("before_ready", [False, True])
@@ -250,3 +276,4 @@ async def test_the_sampler_commits_a_record_only_once_its_copy_is_acknowledged(
         await asyncio.wait_for(task, 5)  # a stopped sampler returns
     finally:
         task.cancel()
+        await sh.collector.stop()  # made with the shadow, whose run this test leaves out

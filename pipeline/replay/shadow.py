@@ -160,8 +160,12 @@ class Shadow:
 
     async def _run(self) -> dict[str, Any]:
         opts, s = self.opts, self.s
-        await ensure_topics(self.candidate, broker_time=False)  # the copies keep their timestamps
-        await self.collector.start()
+        try:
+            await ensure_topics(self.candidate, broker_time=False)  # the copies keep their timestamps
+            await self.collector.start()
+        except BaseException:
+            await self.collector.stop()  # its consumer was made with the shadow: closed, not left open
+            raise
         await asyncio.to_thread(clear_state, self.out_dir)  # tables of an earlier run in this folder
         self.worker = start_worker(self.env, self.out_dir / "worker.log", "all", s.replay_nice)
         #: the tasks watched (a stopped sampler is not), and every task, cancelled at the end
