@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -1178,8 +1178,9 @@ async def test_an_idle_embedding_stage_waits_for_company_while_its_window_is_ope
     kafka: EmbeddedKafka, tmp_path: Path, window_ms: int
 ) -> None:
     """With ``embed_max_wait_ms`` set, a question that finds the embedding stage idle while arrivals
-    come often enough waits for the next one, and both are embedded in one call; a real-time one is
-    embedded at once (docs/architecture.md, "The embedding window")."""
+    come often enough waits for the next one (sent 0.2 s after it reached the stage), and both are
+    embedded in one call; a real-time one is embedded at once (docs/architecture.md, "The embedding
+    window")."""
     async with inprocess(kafka, tmp_path, dedup_enabled="true", embed_max_wait_ms=str(window_ms)) as w:
         inf = w.rt.inference
         assert inf.embedder is not None
@@ -1187,8 +1188,18 @@ async def test_an_idle_embedding_stage_waits_for_company_while_its_window_is_ope
         inf.embedder = rec
         texts = ("how do I close my savings account", "where can I see the limit on my card")
         first = await w.client.submit(request("a", "ua", texts[0], priority="interactive"))
-        await w.client.producer.flush()
-        await asyncio.sleep(0.5)
+
+        def reached_the_stage() -> bool:  # waiting in the window, or embedded at once
+            waiting = cast(dict[str, int], inf.status()["arrivals_waiting"])
+            return waiting["interactive"] > 0 or any(texts[0] in call for call in rec.calls)
+
+        # the second is sent once the first is at the embedding stage (however long the way there
+        # took on a loaded machine): without a window it has been embedded alone by then
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while not reached_the_stage():
+            assert time.monotonic() < deadline, "the first question never reached the embedding stage"
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.2)
         second = await w.client.submit(request("b", "ub", texts[1], priority="interactive"))
         answers = await w.replies(first, second)
         assert all(a.status == "ok" for a in answers)
