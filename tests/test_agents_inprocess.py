@@ -1179,8 +1179,8 @@ async def test_an_idle_embedding_stage_waits_for_company_while_its_window_is_ope
 ) -> None:
     """With ``embed_max_wait_ms`` set, a question that finds the embedding stage idle while arrivals
     come often enough waits for the next one (sent 0.2 s after it reached the stage), and both are
-    embedded in one call; a real-time one is embedded at once (docs/architecture.md, "The embedding
-    window")."""
+    embedded in one call; a real-time one is embedded at once
+    (docs/architecture.md, "The embedding window")."""
     async with inprocess(kafka, tmp_path, dedup_enabled="true", embed_max_wait_ms=str(window_ms)) as w:
         inf = w.rt.inference
         assert inf.embedder is not None
