@@ -123,22 +123,29 @@ print(rss_mib() - warm)
 def test_the_embedders_memory_stays_flat_across_input_shapes() -> None:
     """oneDNN compiles a kernel per operation and input shape and by default keeps 1,024 of them with
     their scratch memory; a worker keeps ``SURGE_ONEDNN_PRIMITIVE_CACHE_ENTRIES`` (8), so a stream of
-    new batch shapes does not grow it. Both processes run side by side: the default, and oneDNN's own."""
-    runs = {}
-    for entries in ("8", "1024"):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SURGE_", "ONEDNN_"))}
-        if entries != "8":
-            env["SURGE_ONEDNN_PRIMITIVE_CACHE_ENTRIES"] = entries
-        runs[entries] = subprocess.Popen(
-            [sys.executable, "-c", _EMBED_GROWTH], env=env, stdout=subprocess.PIPE, text=True
-        )
-    growth = {}
-    for entries, proc in runs.items():
-        out, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0
-        growth[entries] = float(out.split()[-1])
+    new batch shapes does not grow it. Both processes run side by side: the default, and oneDNN's own.
+    Alone the default grows 3-8 MiB and oneDNN's own 33-35; beside the other test process the default
+    once grew 12.6 MiB, so a pair that misses is measured once more (a cache that is not bounded
+    misses both times)."""
+    for attempt in range(2):
+        runs = {}
+        for entries in ("8", "1024"):
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("SURGE_", "ONEDNN_"))}
+            if entries != "8":
+                env["SURGE_ONEDNN_PRIMITIVE_CACHE_ENTRIES"] = entries
+            runs[entries] = subprocess.Popen(
+                [sys.executable, "-c", _EMBED_GROWTH], env=env, stdout=subprocess.PIPE, text=True
+            )
+        growth = {}
+        for entries, proc in runs.items():
+            out, _ = proc.communicate(timeout=300)
+            assert proc.returncode == 0
+            growth[entries] = float(out.split()[-1])
+        # flat with the default, and what the setting saves against oneDNN's own
+        if (growth["8"] <= 12 and growth["1024"] >= 2 * growth["8"] + 8) or attempt:
+            break
     assert growth["8"] <= 12, growth
-    assert growth["1024"] >= 2 * growth["8"] + 8, growth  # what the setting saves
+    assert growth["1024"] >= 2 * growth["8"] + 8, growth
 
 
 # ``/status`` is polled every 0.5 s by the failover benchmark and by operators' scrapers.
