@@ -442,13 +442,17 @@ class Inference:
             del self._inflight[key]
 
     # ---- embedding, cache, merge ------------------------------------------------------------------
+    def _embed_limit(self) -> int:
+        """Items the next embedding call takes: about ``embed_budget_ms`` of measured time."""
+        s = self.rt.settings
+        return embed_batch_limit(s.embed_max_batch_size, s.embed_budget_ms, self.embed_ms_per_item)
+
     def _take_arrivals(self, realtime_only: bool = False) -> tuple[list[Pending], list[Pending]]:
         """The next embedding batch (:func:`pipeline.routing.take_arrivals`), sized to about
         ``embed_budget_ms`` of measured embedding time, and the items met on the way whose deadline
         has passed: they get ``deadline_exceeded`` without being embedded (docs/architecture.md,
         "Degradation")."""
-        s = self.rt.settings
-        limit = embed_batch_limit(s.embed_max_batch_size, s.embed_budget_ms, self.embed_ms_per_item)
+        limit = self._embed_limit()
         arrivals = self._arrivals
         if realtime_only:  # the other classes' arrivals stay where they are
             arrivals = {p: arrivals[p] if p == Priority.REALTIME else deque() for p in PRIORITIES}
@@ -524,10 +528,7 @@ class Inference:
         window = self.embed_window
         if not window.open(_clock_ms()):
             return
-        limit = min(
-            embed_batch_limit(s.embed_max_batch_size, s.embed_budget_ms, self.embed_ms_per_item),
-            s.embed_queue_limit,
-        )
+        limit = min(self._embed_limit(), s.embed_queue_limit)
         arrivals = self._arrivals
         while left_ms := window.left_ms(
             _clock_ms(), sum(map(len, arrivals.values())), limit, bool(arrivals[Priority.REALTIME])

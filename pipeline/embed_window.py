@@ -60,9 +60,6 @@ class EmbedWindow:
         self.max_wait_ms = max_wait_ms
         self.rate = ArrivalRate(tau_ms)
         self._opened_at_ms: float | None = None
-        #: windows held open, and the milliseconds they held (for the log and the tests)
-        self.held = 0
-        self.held_ms_total = 0.0
 
     def arrived(self, now_ms: float, n: int = 1) -> None:
         """``n`` items were admitted to the arrivals at ``now_ms``."""
@@ -78,8 +75,6 @@ class EmbedWindow:
         """The idle stage woke for an arrival at ``now_ms``: whether it holds the window open (the
         deadline then counts from here, the first item's arrival)."""
         self._opened_at_ms = now_ms if self.company_expected(now_ms) else None
-        if self._opened_at_ms is not None:
-            self.held += 1
         return self._opened_at_ms is not None
 
     def left_ms(self, now_ms: float, waiting: int, limit: int, realtime_waiting: bool) -> float:
@@ -91,7 +86,6 @@ class EmbedWindow:
             return 0.0
         left = opened + self.max_wait_ms - now_ms
         if realtime_waiting or waiting >= limit or left <= 0:
-            self.held_ms_total += max(0.0, min(now_ms - opened, self.max_wait_ms))
             self._opened_at_ms = None
             return 0.0
         return left

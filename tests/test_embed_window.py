@@ -50,7 +50,6 @@ def test_a_window_opens_only_while_company_is_expected_within_it() -> None:
     assert window.left_ms(t, waiting=1, limit=64, realtime_waiting=False) == pytest.approx(20.0)
     assert window.left_ms(t + 15.0, waiting=2, limit=64, realtime_waiting=False) == pytest.approx(5.0)
     assert window.left_ms(t + 21.0, waiting=2, limit=64, realtime_waiting=False) == 0.0
-    assert window.held == 1 and window.held_ms_total == pytest.approx(20.0)
 
 
 def test_a_realtime_arrival_or_a_full_batch_closes_the_window_at_once() -> None:
@@ -62,7 +61,6 @@ def test_a_realtime_arrival_or_a_full_batch_closes_the_window_at_once() -> None:
     assert window.left_ms(t + 2.0, waiting=3, limit=64, realtime_waiting=False) == 0.0
     assert window.open(t + 10.0)
     assert window.left_ms(t + 12.0, waiting=64, limit=64, realtime_waiting=False) == 0.0
-    assert window.held_ms_total == pytest.approx(3.0)
 
 
 def test_no_window_when_it_is_off_or_nothing_arrived_lately() -> None:
@@ -74,7 +72,7 @@ def test_no_window_when_it_is_off_or_nothing_arrived_lately() -> None:
     # ten seconds of silence: the next arrival is alone, and embedded at once
     quiet.arrived(t + 10_000.0)
     assert not quiet.open(t + 10_000.0)
-    assert quiet.held == 0
+    assert quiet.left_ms(t + 10_000.0, waiting=1, limit=64, realtime_waiting=False) == 0.0
 
 
 def test_bad_arguments_are_refused() -> None:
