@@ -11,20 +11,26 @@ router views describe the cluster's internals (docs/architecture.md "Security").
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import faust
 from faust.auth import SASLCredentials, SSLCredentials
+from faust.transport.utils import DefaultSchedulingStrategy
+from faust.types import TP
 from faust.types.auth import CredentialsT
 
 from pipeline.compat import (
     bound_produce_request_wait,
+    eager_delivery,
     leave_group_on_close_as_static_member,
     prompt_table_manager,
     set_fetch_max_wait,
 )
+from pipeline.delivery_order import rank_groups, topic_ranks
 from pipeline.kafka_security import ssl_context
 from pipeline.settings import Settings
+from pipeline.topics import TopicNames
 
 #: Faust settings that turn its built-in web views off: /table (table data), /router (cluster
 #: topology; surge routes nothing between workers), the statistics and /assignment pages, /graph,
@@ -72,11 +78,30 @@ def table_store_options(settings: Settings) -> dict[str, Any]:
     }
 
 
+def priority_scheduler(topics: TopicNames) -> type[DefaultSchedulingStrategy]:
+    """Faust's scheduling strategy (the order in which a poll's records reach the streams) with the
+    request topic first, then the work topics from real-time to offline, then the rest as Faust
+    orders them (pipeline/delivery_order.py; docs/architecture.md, "Delivering records")."""
+    ranks = topic_ranks(topics)
+
+    class PriorityScheduling(DefaultSchedulingStrategy):
+        def iterate(self, records: Mapping[TP, list[Any]]) -> Iterator[tuple[TP, Any]]:
+            index = self.map_from_records(records)
+            for group in rank_groups(index, ranks):
+                yield from self.records_iterator({topic: index[topic] for topic in group})
+
+    return PriorityScheduling
+
+
 def create_app(settings: Settings) -> faust.App:
     """A Faust app with RocksDB tables, the configured broker and at-least-once commits after acks."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     # Faust's worker consumer would otherwise wait up to 1.5 s per fetch (see set_fetch_max_wait)
     set_fetch_max_wait(settings.fetch_max_wait_ms, settings.fetch_prefetch_backoff_ms)
+    if settings.eager_delivery_enabled:
+        # Faust's consumer would otherwise spend four tasks on every record it hands to a stream
+        # (see eager_delivery; docs/architecture.md, "Delivering records")
+        eager_delivery(settings.eager_delivery_yield_every_records)
     # a produce request the broker never answers would hold every later record for Faust's 20 minutes
     # (see bound_produce_request_wait; docs/architecture.md, "Guarantees")
     bound_produce_request_wait(settings.producer_request_timeout_ms)
@@ -90,6 +115,9 @@ def create_app(settings: Settings) -> faust.App:
         # Faust puts its URL into the group's assignment and checks it when a static member gets its
         # cached assignment back: keep it stable across restarts (surge routes nothing by it)
         options["canonical_url"] = f"http://{settings.static_instance_id}.worker"
+    if settings.delivery_order == "priority":
+        # the request topic's records first, then the work topics' by class (see priority_scheduler)
+        options["ConsumerScheduler"] = priority_scheduler(TopicNames(settings.topic_prefix))
     credentials = faust_credentials(settings)
     if credentials is not None:
         options["broker_credentials"] = credentials

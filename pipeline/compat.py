@@ -12,8 +12,10 @@ keeps both below their next minor release.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import sys
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
@@ -603,3 +605,78 @@ async def _leave_as_static_member(coordinator: Any) -> None:
         )
     else:
         log.info("left the group as static member %s", coordinator._group_instance_id)
+
+
+def eager_delivery(yield_every: int = 1) -> None:
+    """Make Faust's consumer hand each fetched record to its streams without four tasks per record.
+
+    Why: ``Consumer._drain_messages`` delivers every record as ``await self.wait_first(callback(msg),
+    self.suspend_flow.wait())`` so that a delivery blocked by flow control can be abandoned on a
+    rebalance; that is four tasks, an ``asyncio.wait`` and at least one loop turn per record, for
+    every record of every topic the worker reads, although the callback puts the record into the
+    stream's buffer without waiting in all but rare cases. Now the callback's first step runs inline
+    (:func:`pipeline.eager.step`); only a callback that has to wait goes through the original
+    ``wait_first``, as before. Anything else (other arguments, the flow suspended, the service
+    stopping) takes the original path. ``yield_every``: records handed over inline between two
+    turns of the event loop (Faust's path takes at least one turn per record). Installed once per process (docs/architecture.md,
+    "Delivering records"). Private: ``faust.transport.consumer.Consumer._drain_messages``'s call
+    of ``wait_first`` with ``suspend_flow``; ``mode.Service._stopped``, ``_crashed``.
+    """
+    from faust.transport.consumer import Consumer
+    from mode.services import WaitResults
+
+    from pipeline.eager import Finished, step
+
+    consumer_cls: Any = Consumer
+    if getattr(consumer_cls, "_surge_eager_delivery", False):
+        return
+    if sys.version_info >= (3, 12):
+        # there asyncio.wait_for enters asyncio.timeout, which cancels the task current when it was
+        # entered: a first step run inline would put the drain's own task in that place
+        log.warning("eager delivery is written for Python 3.11; Faust's own delivery is kept")
+        return
+    original = consumer_cls.wait_first
+
+    async def wait_first(self: Any, *coros: Any, timeout: Any = None) -> Any:  # noqa: ASYNC109 (mode's signature)
+        if (
+            timeout is None
+            and len(coros) == 2
+            and _waits_on(coros[1], self.suspend_flow)
+            and hasattr(coros[0], "send")
+            and not self.suspend_flow.is_set()
+            and not self._stopped.is_set()
+            and not self._crashed.is_set()
+        ):
+            callback, suspended = coros
+            try:
+                first = step(callback)
+            except BaseException:
+                suspended.close()
+                raise
+            if isinstance(first, Finished):
+                suspended.close()
+                self._surge_delivered = getattr(self, "_surge_delivered", 0) + 1
+                if self._surge_delivered >= yield_every:
+                    # one loop turn every ``yield_every`` records, as Faust's path takes at least one
+                    # per record: the readers and everything else on the loop get their turn between
+                    # the records of a poll
+                    self._surge_delivered = 0
+                    await asyncio.sleep(0)
+                return WaitResults([callback], [first.value], False)
+            return await original(self, first, suspended)
+        return await original(self, *coros, timeout=timeout)
+
+    consumer_cls.wait_first = wait_first
+    consumer_cls._surge_eager_delivery = True
+
+
+def _waits_on(coro: Any, event: Any) -> bool:
+    """Whether ``coro`` is ``event.wait()``, not yet started."""
+    code = getattr(coro, "cr_code", None)
+    frame = getattr(coro, "cr_frame", None)
+    return (
+        code is not None
+        and code is type(event).wait.__code__
+        and frame is not None
+        and frame.f_locals.get("self") is event
+    )

@@ -98,6 +98,25 @@ class Settings(BaseSettings):
         "requests of a worker in bursts 100 ms apart, and real-time requests missed their deadline)",
     )
     data_dir: Path = Field(Path(".surge-data"), description="folder of the RocksDB table stores")
+    delivery_order: Literal["priority", "round_robin"] = Field(
+        "priority",
+        description="order in which the records of one poll reach the worker's streams: priority hands "
+        "the request topic's first, then the work topics' from real-time to offline, then the rest; "
+        "round_robin is Faust's own order (over topics, then partitions)",
+    )
+    eager_delivery_enabled: bool = Field(
+        True,
+        description="the worker's consumer hands each fetched record to its stream inline, falling back "
+        "to Faust's own four-task delivery only for a record that has to wait (off: Faust's delivery for "
+        "every record; read once per process)",
+    )
+    eager_delivery_yield_every_records: int = Field(
+        1,
+        ge=1,
+        le=1000,
+        description="with eager_delivery_enabled, records handed to the streams between two turns of "
+        "the event loop (Faust's own delivery takes at least one turn per record; read once per process)",
+    )
     stream_buffer_max_records: int = Field(
         2048,
         ge=1,

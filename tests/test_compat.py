@@ -18,6 +18,7 @@ from typing import Any
 
 import faust
 import faust.streams
+import mode
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -26,7 +27,7 @@ from aiokafka.consumer.group_coordinator import GroupCoordinator
 from aiokafka.structs import TopicPartition
 from faust.tables import TableManager
 from faust.tables.recovery import Recovery
-from faust.transport.consumer import ThreadDelegateConsumer
+from faust.transport.consumer import Consumer, ThreadDelegateConsumer
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
 from pipeline import compat
@@ -83,6 +84,12 @@ def test_the_private_attributes_exist() -> None:
     assert "set_persisted_offset(" in inspect.getsource(Collection._on_changelog_sent)
     # the Acker seeks with seek_wait (run on the consumer's own thread, waits for the position)
     assert "call_thread(self._seek_wait" in inspect.getsource(faust_aiokafka.AIOKafkaConsumerThread.seek_wait)
+    # eager_delivery: Faust's consumer hands each record over through wait_first with suspend_flow,
+    # mode's original wait_first gives up once the service stops or crashes
+    drain = " ".join(inspect.getsource(Consumer._drain_messages).split())
+    assert "await self.wait_first( callback(message), self.suspend_flow.wait() )" in drain
+    assert "self._stopped" in inspect.getsource(mode.Service.wait_first)
+    assert "self._crashed" in inspect.getsource(mode.Service.wait_first)
 
 
 async def test_the_consumer_keeps_its_client_in_client() -> None:
@@ -464,3 +471,77 @@ def test_producer_buffer_size_counts_what_faust_s_conductor_waits_on() -> None:
         app.producer.buffer.pending.put_nowait(object())  # what put() does without a threaded producer
         assert compat.producer_buffer_size(app) == n + 1
     assert compat.producer_buffer_size(object()) == 0
+
+
+class _Delivering(mode.Service):
+    """What the patched ``Consumer.wait_first`` reads of a consumer: its flow event and mode's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.suspend_flow = asyncio.Event()
+
+
+async def test_eager_delivery_runs_a_delivery_that_does_not_wait_inline() -> None:
+    """A record put into a stream's buffer without waiting is handed over in the drain's own task: no
+    four tasks per record (docs/architecture.md, "Delivering records")."""
+    compat.eager_delivery()
+    svc = _Delivering()
+    ran_in: list[object] = []
+
+    async def deliver() -> str:
+        ran_in.append(asyncio.current_task())
+        return "delivered"
+
+    result = await Consumer.wait_first(svc, deliver(), svc.suspend_flow.wait())
+    assert ran_in == [asyncio.current_task()]
+    assert result.results == ["delivered"] and not result.stopped
+
+
+async def test_eager_delivery_still_abandons_a_blocked_delivery_when_the_flow_is_suspended() -> None:
+    """A delivery that has to wait (flow control during a rebalance) goes through mode's wait_first
+    as before: a suspended flow ends the wait and cancels the delivery; one that can go on finishes."""
+    compat.eager_delivery()
+    svc = _Delivering()
+    room = asyncio.Event()
+    trail: list[str] = []
+
+    async def deliver() -> None:
+        trail.append("first step")
+        try:
+            await room.wait()
+            trail.append("delivered")
+        except asyncio.CancelledError:
+            trail.append("abandoned")
+            raise
+
+    waiting = asyncio.ensure_future(Consumer.wait_first(svc, deliver(), svc.suspend_flow.wait()))
+    await asyncio.sleep(0.01)
+    assert trail == ["first step"] and not waiting.done()
+    svc.suspend_flow.set()
+    await asyncio.wait_for(waiting, 1)
+    await asyncio.sleep(0)
+    assert trail == ["first step", "abandoned"]
+
+    svc.suspend_flow.clear()
+    trail.clear()
+    waiting = asyncio.ensure_future(Consumer.wait_first(svc, deliver(), svc.suspend_flow.wait()))
+    await asyncio.sleep(0.01)
+    room.set()
+    await asyncio.wait_for(waiting, 1)
+    assert trail == ["first step", "delivered"]
+
+
+async def test_eager_delivery_leaves_a_suspended_flow_and_other_calls_to_mode() -> None:
+    compat.eager_delivery()
+    svc = _Delivering()
+    svc.suspend_flow.set()
+    ran_in: list[object] = []
+
+    async def deliver() -> None:
+        ran_in.append(asyncio.current_task())
+
+    await Consumer.wait_first(svc, deliver(), svc.suspend_flow.wait())
+    other = asyncio.Event()
+    other.set()
+    await Consumer.wait_first(svc, deliver(), other.wait())  # not the flow's event: mode's path
+    assert len(ran_in) == 2 and asyncio.current_task() not in ran_in
