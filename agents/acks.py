@@ -317,6 +317,12 @@ class Acker:
             if not done:
                 del self._done_before[tp]
 
+    def is_current(self, ticket: Ticket) -> bool:
+        """Whether ``ticket``'s partition is still read here into the ledger it was tracked in (not
+        revoked since): work not begun on a record whose ticket is not current is left to the
+        partition's owner."""
+        return self._ledgers.get(ticket.tp) is ticket.ledger
+
     def ticket_of(self, event: EventT) -> Ticket | None:
         """The ticket of a record already tracked and not yet released, or None."""
         msg = event.message

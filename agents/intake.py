@@ -1,8 +1,9 @@
 """The intake agent: decode, validate, rate-limit, answer exact repeats, forward by class.
 
-Reads ``surge.requests``; where requests must be signed (``kafka_request_auth``), checks each record's
-signature first and serves it as its key's tenant, tier and priority (:func:`pipeline.auth.authorize`).
-Then, for each record exactly one of: an error reply (+ a dead letter for bad input, an unsigned
+Reads ``surge.requests`` into a triage queue whose handler serves the highest class first
+(pipeline/triage.py; docs/architecture.md, "Triage at the intake"). Where requests must be signed
+(``kafka_request_auth``), the handler checks each record's signature first and serves it as its
+key's tenant, tier and priority (:func:`pipeline.auth.authorize`). Then, for each record exactly one of: an error reply (+ a dead letter for bad input, an unsigned
 record included), the reply recorded for it before (a redelivery), a cached reply, the level-3 template
 (agents/shed.py), or a WorkItem on ``surge.work.<priority>``. The record's offset is acked, in offset order, only after what it
 produced has been acknowledged by the broker (docs/architecture.md, "The path of a request").
@@ -10,15 +11,18 @@ produced has been acknowledged by the broker (docs/architecture.md, "The path of
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Any
 
 import faust
-from faust.types import EventT, TableT
+from faust.types import TP, EventT, TableT
 
-from agents.runtime import Runtime, unacked
+from agents.acks import Ticket
+from agents.runtime import Runtime, event_context, unacked
 from agents.shed import template_at_intake
 from pipeline.app import table_store_options
 from pipeline.auth import ApiKey, authorize, header_list
@@ -44,6 +48,8 @@ from pipeline.records import (
 )
 from pipeline.scheduler import CLOCK_SLACK_MS, absolute_deadline_ms, client_dated, request_created_ms
 from pipeline.settings import Settings
+from pipeline.terms import Priority
+from pipeline.triage import TriageQueue
 
 log = logging.getLogger("surge.intake")
 
@@ -59,8 +65,18 @@ def rate_limit_config(s: Settings) -> RateLimitConfig:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """A record the reader took on: its ticket, and its request as decoded (or why it is not one)."""
+
+    event: EventT
+    ticket: Ticket
+    decoded: InferenceRequest | InvalidRequestError
+
+
 class Intake:
-    """State of the intake agent in one worker."""
+    """State of the intake agent in one worker: a reader that takes records on in offset order, a
+    triage queue, and a handler that serves the queue highest class first."""
 
     def __init__(
         self, rt: Runtime, ratelimit_table: TableT[str, Any], cache: AnswerCache | None, model_version: str
@@ -76,31 +92,115 @@ class Intake:
         self.swept = 0
         #: who may sign a request record; None where records are taken as written (``open``)
         self.signers = rt.signers
+        s = rt.settings
+        #: records taken on and not yet handled, one lane per class and one for undecodable records
+        self.triage: TriageQueue[Taken] = TriageQueue(
+            len(Priority) + 1, s.intake_triage_max_records, s.intake_triage_max_mb << 20
+        )
+        self._queued = asyncio.Event()  # wakes the handler
+        self._room = asyncio.Event()  # wakes the reader
+        #: why the handler stopped, if it did (the reader raises it)
+        self.handler_failed: BaseException | None = None
+        rt.intake = self
 
-    async def handle(self, stream: faust.StreamT, event: EventT) -> None:
-        """Process one record; its ack follows once its outputs are on the broker."""
+    async def take(self, event: EventT) -> None:
+        """The reader, for each record in offset order: take it on (track it) and queue it for the
+        handler by the class it claims, waiting while the triage queue is full (the backlog then
+        stays in Faust's buffer and in Kafka). A record that cannot be decoded is queued too, last:
+        the handler refuses it."""
         rt, s, msg = self.rt, self.rt.settings, event.message
         generation = rt.acker.generation
         await rt.lifecycle.writes_ready.wait()
+        size = len(msg.value) if isinstance(msg.value, bytes) else 0
+        while not self.triage.has_room(size):
+            self._room.clear()
+            await self._room.wait()
+            if self.handler_failed is not None:  # left untouched: the agent restarts (see start_handler)
+                return
         await rt.lifecycle.hold_if_stopping()
         ticket = await rt.acker.track(event, generation)
         if ticket is None:
             return
         rt.intake_backlog.record(msg.tp, msg.offset, now_ms())
+        decoded: InferenceRequest | InvalidRequestError
+        try:
+            decoded = decode_request(
+                msg.value, msg.key, max_record_bytes=s.max_record_bytes, max_content_bytes=s.max_content_bytes
+            )
+            rank = Priority(decoded.priority).rank
+        except InvalidRequestError as exc:
+            decoded, rank = exc, len(Priority)
+        self.triage.put(rank, Taken(event, ticket, decoded), size)
+        rt.intake_backlog.queued = len(self.triage)
+        self._queued.set()
+
+    def start_handler(self) -> asyncio.Task[None]:
+        """Start :meth:`run_handler` beside the reader (each time the agent starts). Should it ever
+        stop on an error, the reader leaves its record untouched and raises: the agent crashes, and
+        Faust's supervisor starts it again with a new handler, which serves what was queued, rather
+        than the intake stalling with records taken on that nobody handles."""
+        self.handler_failed = None
+
+        def ended(task: asyncio.Task[None]) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                self.handler_failed = task.exception()
+                log.critical("the intake's handler stopped", exc_info=self.handler_failed)
+                self._room.set()
+
+        task = asyncio.get_running_loop().create_task(self.run_handler())
+        task.add_done_callback(ended)
+        return task
+
+    async def run_handler(self) -> None:
+        """The handler: take records out of the triage queue, highest class first, and handle each
+        (docs/architecture.md, "Triage at the intake"). Runs beside the reader for the agent's life."""
+        while True:
+            if not self.triage:
+                self._queued.clear()
+                await self._queued.wait()
+                continue
+            taken = self.triage.pop()
+            self.rt.intake_backlog.queued = len(self.triage)
+            self._room.set()
+            if not self.rt.acker.is_current(taken.ticket):
+                continue  # revoked while it waited here (a drain that ran out): its owner reads it
+            with event_context(taken.event):  # the rate-limit table writes to the record's partition
+                try:
+                    await self.handle(taken)
+                except Exception as exc:
+                    # the record is tracked; an unexpected failure still answers and dead-letters
+                    log.exception("intake failed on %s", taken.event.message.tp)
+                    await intake_failed(self.rt, taken.event, exc, self.signed_by(taken.event))
+
+    def give_back(self, revoked: set[TP]) -> int:
+        """Called when a rebalance begins: the queued records of ``revoked`` partitions, not yet
+        handled, are given back unfinished (their next owner reads them); returns how many."""
+        gone = self.triage.remove_if(lambda taken: taken.ticket.tp in revoked)
+        for taken in gone:
+            self.rt.acker.put_back(taken.ticket)
+        self.rt.intake_backlog.queued = len(self.triage)
+        if gone:
+            self._room.set()
+        return len(gone)
+
+    async def handle(self, taken: Taken) -> None:
+        """Process one record taken on; its ack follows once its outputs are on the broker."""
+        rt, event, ticket = self.rt, taken.event, taken.ticket
+        msg = event.message
         futures: list[Awaitable[Any]] = []
         signer: ApiKey | None = None
         try:
             # the signature first: nothing of an unsigned record is served or forwarded
             signer = None if self.signers is None else self.signers.verify(msg.headers, msg.value)
-            req = decode_request(
-                msg.value, msg.key, max_record_bytes=s.max_record_bytes, max_content_bytes=s.max_content_bytes
-            )
+            if isinstance(taken.decoded, InvalidRequestError):
+                raise taken.decoded
+            req = taken.decoded
             if signer is not None:
                 req = authorize(req, signer)
-            if req.model is not None and req.model not in s.accepted_models():
+            if req.model is not None and req.model not in rt.settings.accepted_models():
                 raise InvalidRequestError(
                     f"unknown model {req.model[:80]!r}; this deployment serves "
-                    f"{', '.join(sorted(s.accepted_models()))}"
+                    f"{', '.join(sorted(rt.settings.accepted_models()))}"
                 )
             reply_to = await rt.reply_topic(req.reply_to)
         except RequestSignatureError as exc:
@@ -135,7 +235,7 @@ class Intake:
             return
         futures.append(await self._decide(req, reply_to, event, key_id))
         rt.acker.ack_after([ticket], futures)
-        if s.rate_limit_enabled and self.sweeps.due(msg.partition):
+        if rt.settings.rate_limit_enabled and self.sweeps.due(msg.partition):
             try:
                 self.sweep(msg.partition, now_ms())
             except Exception:  # housekeeping: the request is already answered, never fail it now
@@ -294,20 +394,23 @@ def register(rt: Runtime, cache: AnswerCache | None, model_version: str) -> Inta
     @rt.app.agent(rt.topic(rt.topics.requests), name="surge.intake")
     async def intake_agent(stream: faust.StreamT) -> None:
         s = unacked(stream)
-        async for event in s.events():
-            try:
-                await intake.handle(s, event)
-            except Exception as exc:
-                # handle() tracked the record; an unexpected failure still answers and dead-letters
-                log.exception("intake failed on %s", event.message.tp)
-                await intake_failed(rt, s, event, exc, intake.signed_by(event))
+        handler = intake.start_handler()
+        try:
+            async for event in s.events():
+                try:
+                    await intake.take(event)
+                except Exception as exc:
+                    log.exception("intake could not take on %s", event.message.tp)
+                    await intake_failed(rt, event, exc, intake.signed_by(event))
+                if intake.handler_failed is not None:
+                    raise RuntimeError("the intake's handler stopped") from intake.handler_failed
+        finally:
+            handler.cancel()
 
     return intake
 
 
-async def intake_failed(
-    rt: Runtime, stream: faust.StreamT, event: EventT, exc: Exception, key_id: str | None = None
-) -> None:
+async def intake_failed(rt: Runtime, event: EventT, exc: Exception, key_id: str | None = None) -> None:
     """An internal error: an error reply where the ids can be read (signed with ``key_id``, the
     key that signed the record), a dead letter, then the ack."""
     futures = await reject(

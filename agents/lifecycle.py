@@ -204,6 +204,10 @@ class Lifecycle:
         s = self.rt.settings
         self.revoking = True
         self.rt.intake_backlog.forget(revoked)
+        if self.rt.intake is not None:  # queued, not begun: the next owner reads them
+            given = self.rt.intake.give_back(set(revoked))
+            if given:
+                log.info("rebalance: %d queued requests of revoked partitions given back", given)
         try:
             ok = await self.drain(
                 s.drain_timeout_s, give_back_after_s=s.rebalance_grace_ms / 1000, revoked=set(revoked)

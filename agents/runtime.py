@@ -102,6 +102,8 @@ class Runtime:
     topics: TopicNames = field(init=False)
     #: the inference agent's state, when this worker runs it (its readiness gates "worker ready")
     inference: Any = None
+    #: the intake agent's state (agents.intake.Intake), when this worker runs it
+    intake: Any = None
     #: readiness and drains (agents.lifecycle.Lifecycle), set by the worker
     lifecycle: Any = None
     #: the risk agents' state, when this worker runs them (``--role risk``)

@@ -158,6 +158,8 @@ def build_worker_app(settings: Settings) -> tuple[faust.App, Runtime]:
             body.update(inf.status())
         if intake is not None:
             body["ratelimit_buckets_swept"] = intake.swept
+            body["intake_triage_queued"] = len(intake.triage)
+            body["intake_triage_overtakes"] = intake.triage.overtakes
         if cache is not None:
             body["cache"] = cache.stats()
         return body

@@ -54,6 +54,9 @@ class IntakeBacklog:
         self._gave_way = False
         #: times the hold gave way to a stalled intake
         self.gave_way = 0
+        #: requests the intake took off its partitions and has not handled yet (its triage queue,
+        #: pipeline/triage.py): they wait behind it as much as those still in the partitions
+        self.queued = 0
 
     def record(self, partition: Hashable, offset: int, now_ms: float) -> None:
         """Called by the intake for each request it takes on."""
@@ -68,8 +71,8 @@ class IntakeBacklog:
             self._taken.pop(partition, None)
 
     def _most_waiting(self) -> int:
-        """The most records waiting in one partition the intake reads."""
-        most = 0
+        """The most records waiting in one partition the intake reads, or in its triage queue."""
+        most = self.queued
         for partition, offset in self._taken.items():
             highwater = self._highwater(partition)
             if highwater is not None:

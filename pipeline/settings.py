@@ -356,6 +356,21 @@ class Settings(BaseSettings):
         "and real-time arrivals are embedded between the calls (off: one call per batch, so a real-time "
         "request admitted meanwhile waits for all of it, up to embed_budget_ms)",
     )
+    intake_triage_max_records: int = Field(
+        256,
+        ge=1,
+        le=4096,
+        description="requests the intake takes off the request topic ahead of handling them, so that it "
+        "handles the highest class first (real-time before interactive, batch, offline; in order within "
+        "a class); 1 handles each record as it is read",
+    )
+    intake_triage_max_mb: int = Field(
+        8,
+        ge=1,
+        le=1024,
+        description="most MiB of request records the intake's triage queue holds at once (one record is "
+        "always let in, however large)",
+    )
     intake_first_enabled: bool = Field(
         True,
         description="in a worker that runs the intake too, batch and offline work is not read while "
