@@ -1256,3 +1256,47 @@ async def test_a_real_time_request_is_embedded_between_the_forward_passes_of_bat
         else:
             assert max(sizes) > rec.batch_size, f"one call took the batch: {sizes}"
             assert rt_call > batch_calls[0], "the real-time request came after the long call began"
+
+
+@pytest.mark.parametrize("triage_records", [512, 1])
+async def test_the_intake_serves_real_time_requests_ahead_of_a_backlog_in_their_partition(
+    kafka: EmbeddedKafka, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, triage_records: int
+) -> None:
+    """Every class shares the request topic: a real-time request read behind a backlog of batch
+    requests in its partition was handled after all of them. The intake's reader takes records into
+    its triage queue while the handler works, and the handler serves real-time first, each class in
+    the order read (docs/architecture.md, "Triage at the intake"). The handler is held at its first
+    record until the reader has queued all it may: with room for the whole backlog, the 8 real-time
+    requests (sent after 300 batch ones by the same user) are handled right after the batch request
+    the handler held; with a queue of one record, in the order sent. The reader stops at the bound."""
+    async with inprocess(kafka, tmp_path, model="echo", intake_triage_max_records=str(triage_records)) as w:
+        intake = w.rt.intake
+        gate = asyncio.Event()
+        handled: list[str] = []
+        handle = intake.handle
+
+        async def held(taken: Any) -> None:
+            handled.append(taken.decoded.request_id)
+            await gate.wait()
+            await handle(taken)
+
+        monkeypatch.setattr(intake, "handle", held)
+        futures = [await w.client.submit(request(f"b{i}", "u1", priority="batch")) for i in range(300)]
+        futures += [await w.client.submit(request(f"rt{i}", "u1", priority="realtime")) for i in range(8)]
+        await w.client.producer.flush()
+        queued = min(triage_records, 307)  # the first record is with the handler
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while len(intake.triage) < queued:
+            assert time.monotonic() < deadline, f"{len(intake.triage)} queued, {queued} expected"
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        assert len(intake.triage) == queued, "the reader took records past the queue's bound"
+        gate.set()
+        replies = await w.replies(*futures)
+        assert all(r.status == "ok" for r in replies), {r.error.code for r in replies if r.error}
+    batch, live = [f"r-b{i}" for i in range(300)], [f"r-rt{i}" for i in range(8)]
+    if triage_records == 1:
+        assert handled == batch + live
+    else:
+        assert handled == batch[:1] + live + batch[1:]
+        assert intake.triage.overtakes == 8

@@ -348,46 +348,6 @@ async def test_batch_work_waits_while_the_intake_is_behind(deployment) -> None:
     assert max(sizes, default=0) <= 300, sizes
 
 
-@pytest.mark.parametrize("triage_records", [256, 1])
-async def test_the_intake_handles_real_time_requests_ahead_of_a_backlog_in_their_partition(
-    deployment, triage_records: int
-) -> None:
-    """Every class shares the request topic: a real-time request read behind a backlog of batch
-    requests in its partition was handled after all of them (in a surge, real-time p50 258 ms
-    against its 200 ms deadline, the request topic's lag up to 130 records). The intake's triage
-    (docs/architecture.md, "Triage at the intake") takes records off the topic ahead of handling them
-    and handles the highest class first, one class's records still in the order sent. Measured by
-    broker timestamps on the work topics of an intake-only worker: batch work items written before
-    the last real-time one. With a triage queue of 1 (records handled as read) all 300 are."""
-    d = deployment(
-        model="echo",
-        intake_triage_max_records=str(triage_records),
-        deadline_realtime_ms="60000",
-        **RELAXED,
-        **FAST,
-    )
-    c = await d.client()
-    # one user, so one partition: every record behind the one before it
-    for i in range(300):
-        await c.submit(request(f"b{i}", "u1", priority="batch"))
-    for i in range(8):
-        await c.submit(request(f"rt{i}", "u1", priority="realtime"))
-    await c.producer.flush()
-    d.worker(role="intake")
-    batch = await d.read_topic(d.topics.work("batch"), min_count=300, timeout_s=60)
-    live = await d.read_topic(d.topics.work("realtime"), min_count=8, timeout_s=60)
-    assert len(batch) == 300 and len(live) == 8
-    ids = [[json.loads(r.value)["request"]["request_id"] for r in rs] for rs in (batch, live)]
-    assert ids == [[f"r-b{i}" for i in range(300)], [f"r-rt{i}" for i in range(8)]], "order within a class"
-    last_live = max(r.timestamp for r in live)
-    batch_first = sum(1 for r in batch if r.timestamp < last_live)
-    if triage_records == 1:
-        assert batch_first == 300
-    else:
-        # the reader reaches them once it has taken 308 records, at most 256 of them still queued
-        assert batch_first <= 150, f"{batch_first} batch items forwarded before the real-time ones"
-
-
 async def test_level_3_answers_a_forwarded_low_class_at_admission_past_strict_priority(deployment) -> None:
     """The Kubernetes shape (intake and inference in their own workers): the intake has no level
     and forwards everything; at level 3 the inference worker answers batch work with the template as
