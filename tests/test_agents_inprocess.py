@@ -1300,3 +1300,42 @@ async def test_the_intake_serves_real_time_requests_ahead_of_a_backlog_in_their_
     else:
         assert handled == batch[:1] + live + batch[1:]
         assert intake.triage.overtakes == 8
+
+
+async def test_an_intake_handler_that_dies_is_started_again_with_the_agent(
+    kafka: EmbeddedKafka, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should the intake's handler ever stop on an error (here: handling a record fails and so does
+    its error reply), the reader raises, Faust's supervisor starts the agent again, and the new
+    handler serves the requests queued and sent after it: the intake does not stall with records
+    taken on that nobody handles (docs/architecture.md, "Triage at the intake")."""
+    import agents.intake as intake_module
+
+    async with inprocess(kafka, tmp_path, model="echo") as w:
+        intake = w.rt.intake
+        handle, failed = intake.handle, intake_module.intake_failed
+        broken = {"r-boom"}
+
+        async def handle_or_fail(taken: Any) -> None:
+            if taken.decoded.request_id in broken:
+                raise RuntimeError("handling failed")
+            await handle(taken)
+
+        async def reply_fails(*args: Any, **kw: Any) -> None:
+            if broken:
+                broken.clear()
+                raise RuntimeError("the error reply failed too")
+            await failed(*args, **kw)
+
+        monkeypatch.setattr(intake, "handle", handle_or_fail)
+        monkeypatch.setattr(intake_module, "intake_failed", reply_fails)
+        await w.client.submit(request("boom", "u1"))
+        await w.client.producer.flush()
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while intake.handler_failed is None:
+            assert time.monotonic() < deadline, "the handler did not stop"
+            await asyncio.sleep(0.01)
+        after = [await w.client.submit(request(f"a{i}", "u1")) for i in range(5)]
+        replies = await w.replies(*after)
+        assert [r.status for r in replies] == ["ok"] * 5
+        assert intake.handler_failed is None, "a new handler serves the queue"
