@@ -102,6 +102,7 @@ class Intake:
         #: why the handler stopped, if it did (the reader raises it)
         self.handler_failed: BaseException | None = None
         rt.intake = self
+        rt.intake_backlog.queued = self.triage.__len__
 
     async def take(self, event: EventT) -> None:
         """The reader, for each record in offset order: take it on (track it) and queue it for the
@@ -127,11 +128,10 @@ class Intake:
             decoded = decode_request(
                 msg.value, msg.key, max_record_bytes=s.max_record_bytes, max_content_bytes=s.max_content_bytes
             )
-            rank = Priority(decoded.priority).rank
+            rank = decoded.priority.rank
         except InvalidRequestError as exc:
             decoded, rank = exc, len(Priority)
         self.triage.put(rank, Taken(event, ticket, decoded), size)
-        rt.intake_backlog.queued = len(self.triage)
         self._queued.set()
 
     def start_handler(self) -> asyncio.Task[None]:
@@ -160,7 +160,6 @@ class Intake:
                 await self._queued.wait()
                 continue
             taken = self.triage.pop()
-            self.rt.intake_backlog.queued = len(self.triage)
             self._room.set()
             if not self.rt.acker.is_current(taken.ticket):
                 continue  # revoked while it waited here (a drain that ran out): its owner reads it
@@ -178,7 +177,6 @@ class Intake:
         gone = self.triage.remove_if(lambda taken: taken.ticket.tp in revoked)
         for taken in gone:
             self.rt.acker.put_back(taken.ticket)
-        self.rt.intake_backlog.queued = len(self.triage)
         if gone:
             self._room.set()
         return len(gone)

@@ -54,9 +54,10 @@ class IntakeBacklog:
         self._gave_way = False
         #: times the hold gave way to a stalled intake
         self.gave_way = 0
-        #: requests the intake took off its partitions and has not handled yet (its triage queue,
-        #: pipeline/triage.py): they wait behind it as much as those still in the partitions
-        self.queued = 0
+        #: how many requests the intake took off its partitions and has not handled yet (its triage
+        #: queue, pipeline/triage.py): they wait behind it as much as those still in the partitions;
+        #: the intake sets it when it starts
+        self.queued: Callable[[], int] = lambda: 0
 
     def record(self, partition: Hashable, offset: int, now_ms: float) -> None:
         """Called by the intake for each request it takes on."""
@@ -72,7 +73,7 @@ class IntakeBacklog:
 
     def _most_waiting(self) -> int:
         """The most records waiting in one partition the intake reads, or in its triage queue."""
-        most = self.queued
+        most = self.queued()
         for partition, offset in self._taken.items():
             highwater = self._highwater(partition)
             if highwater is not None:
