@@ -33,6 +33,7 @@ from models.base import ModelBackend, ModelInput, ModelOutput
 from models.embedder import Embedder, shared_embedder
 from models.exceptions import ModelError, ModelLoadError
 from pipeline.atomic import npz_bytes, replace_files
+from pipeline.textcache import TextCache
 
 DATA_DIR = Path(__file__).resolve().parent / "faq_data"
 WEIGHTS_FILE = "faq_weights.npz"
@@ -53,6 +54,11 @@ DEFAULT_CONFIDENCE_FLOOR = 0.40
 #: on the held-out split 2.6 % of its answers fall below 0.25 (accuracy above it 93.4 %, against 91.7 %
 #: overall; 0.40 would refuse 6.6 %); the off-topic questions tried by hand scored 0.04-0.14.
 DEFAULT_TEMPLATE_CONFIDENCE_FLOOR = 0.25
+#: how many texts' template intents (the lexical layer's answer) one answerer remembers, and the bytes
+#: they may hold: level 3 answers every batch and offline request from it on the intake's event loop,
+#: where the same questions come again and again (docs/architecture.md, "Degradation")
+TEMPLATE_MEMO_TEXTS = 4096
+TEMPLATE_MEMO_BYTES = 4 << 20
 
 _WORD_RE = re.compile(r"(?u)\b\w\w+\b")
 
@@ -374,6 +380,11 @@ class FAQAnswerer(ModelBackend):
         self._model: FAQModel | None = None
         self._answers: dict[str, str] = {}
         self._lock = threading.Lock()
+        #: the lexical template's (intent, confidence) of each text seen lately: a pure function of the
+        #: text and the loaded weights, so a repeat costs a lookup, not the n-grams and their gather
+        self.template_memo: TextCache[tuple[str | None, float]] = TextCache(
+            self._lexical_best, TEMPLATE_MEMO_TEXTS, TEMPLATE_MEMO_BYTES
+        )
 
     def load(self) -> None:
         """Load the weights, the answers and (unless one was given) the shared embedder.
@@ -397,6 +408,7 @@ class FAQAnswerer(ModelBackend):
             self.version = weights_version(self.data_dir)
             self._answers = answers
             self._model = model
+            self.template_memo.cache_clear()
 
     @property
     def labels(self) -> list[str]:
@@ -425,6 +437,12 @@ class FAQAnswerer(ModelBackend):
     ) -> list[tuple[str | None, float]]:
         """The most likely intent of each text and its probability; ``None`` below the floor."""
         return self._best(self._loaded(), self.probabilities(texts, vectors), self.confidence_floor)
+
+    def _lexical_best(self, text: str) -> tuple[str | None, float]:
+        """The lexical layer's intent (None under the template floor) and confidence for one text
+        (rows are independent: the same as in a batch); what :attr:`template_memo` remembers."""
+        model = self._loaded()
+        return self._best(model, model.lexical_probabilities([text]), self.template_floor)[0]
 
     @staticmethod
     def _best(model: FAQModel, probs: np.ndarray, floor: float) -> list[tuple[str | None, float]]:
@@ -489,7 +507,7 @@ class FAQAnswerer(ModelBackend):
         if all(v is not None for v in given):
             results = self.classify(texts, np.stack(given).astype(np.float32))
         elif model.has_lexical:
-            results = self._best(model, model.lexical_probabilities(texts), self.template_floor)
+            results = [self.template_memo(text) for text in texts]
         else:
             results = self.classify(texts)
         return [

@@ -6,6 +6,7 @@ import json
 import math
 import re
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -223,6 +224,34 @@ def test_the_template_answers_from_ngrams_without_an_embedding() -> None:
     assert [o.extra["intent"] for o in outs] == [intent for _, intent in LEXICAL_CASES] + [None]
     assert all(o.finish_reason == "template" for o in outs)
     assert outs[-1].answer == NOT_SURE_ANSWER
+
+
+def test_a_repeated_question_gets_its_template_from_the_memo_with_the_same_answer() -> None:
+    """Level 3 templates every batch and offline request on the intake's event loop, where the same
+    questions come again and again: a repeat is looked up, not classified again, and a batch's
+    answers are the ones each question gets alone."""
+    faq = FAQAnswerer(embedder=CountingEmbedder())  # type: ignore[arg-type]
+    faq.load()
+    model = faq._loaded()
+    calls: list[int] = []
+    real = model.lexical_probabilities
+
+    def counting(texts: Sequence[str]) -> np.ndarray:
+        calls.append(len(texts))
+        return real(texts)
+
+    object.__setattr__(model, "lexical_probabilities", counting)
+    questions = [q for q, _ in LEXICAL_CASES]
+    first = faq.template_answers([ask(q) for q in questions])
+    assert len(calls) == len(questions)
+    again = faq.template_answers([ask(q) for q in reversed(questions)])
+    assert len(calls) == len(questions), "every repeat answered from the memo"
+    assert [o.extra for o in again] == [o.extra for o in reversed(first)]
+    assert [o.answer for o in again] == [o.answer for o in reversed(first)]
+    assert [o.extra["intent"] for o in first] == [intent for _, intent in LEXICAL_CASES]
+    alone = [real([q])[0] for q in questions]
+    assert [o.extra["confidence"] for o in first] == [float(p.max()) for p in alone]
+    assert faq.template_memo.cache_info().hits == len(questions)
 
 
 def test_the_template_uses_the_pipelines_vectors_when_every_input_has_one(faq: FAQAnswerer) -> None:
