@@ -50,6 +50,7 @@ from pipeline.scheduler import CLOCK_SLACK_MS, absolute_deadline_ms, client_date
 from pipeline.settings import Settings
 from pipeline.terms import Priority
 from pipeline.triage import TriageQueue
+from pipeline.write_behind import WriteBehind
 
 log = logging.getLogger("surge.intake")
 
@@ -82,9 +83,14 @@ class Intake:
         self, rt: Runtime, ratelimit_table: TableT[str, Any], cache: AnswerCache | None, model_version: str
     ) -> None:
         self.rt = rt
+        #: the buckets' newest states, written to the table once per flush interval of their
+        #: partition (docs/architecture.md, "Rate-limit buckets: written behind")
+        self.buckets = WriteBehind(ratelimit_table, rt.settings.rate_limit_flush_ms)
         self.limiter = RateLimiter(
-            rate_limit_config(rt.settings), ratelimit_table, tenant_shards=rt.settings.partitions
+            rate_limit_config(rt.settings), self.buckets, tenant_shards=rt.settings.partitions
         )
+        #: the last record handled of each partition: the table writes of a flush go to its partition
+        self.last_event: dict[int, EventT] = {}
         self.cache = cache
         self.model_version = model_version
         self.table = ratelimit_table
@@ -181,6 +187,41 @@ class Intake:
             self._room.set()
         return len(gone)
 
+    def flush_buckets(self, partitions: set[int] | None = None, *, due_only: bool = True) -> int:
+        """Write the buckets' unflushed states of ``partitions`` (None: all) to the rate-limit table,
+        each under the last record handled of its partition (Faust writes a table to the current
+        record's partition); with ``due_only``, only partitions whose oldest unflushed state is
+        ``rate_limit_flush_ms`` old. A partition with unflushed states and no record to write them
+        under was revoked while a record of it was being handled: those are dropped (its next owner
+        restores the buckets from the changelog). Returns how many states were written."""
+        written = 0
+        for partition in self.buckets.partitions():
+            if partitions is not None and partition not in partitions:
+                continue
+            event = self.last_event.get(partition)
+            if event is None:
+                self.buckets.drop({partition})
+                continue
+            if due_only and not self.buckets.due(partition):
+                continue
+            try:
+                with event_context(event):
+                    written += self.buckets.flush(partition)
+            except Exception:  # housekeeping: kept for the next flush, never fails a request
+                log.warning("writing the rate-limit buckets of partition %d failed", partition, exc_info=True)
+        return written
+
+    def buckets_revoked(self, revoked: set[TP]) -> int:
+        """Called when a rebalance's drain is over: the unflushed bucket states of revoked request
+        partitions are written while their stores are still this worker's, and their records
+        forgotten; returns how many states were written."""
+        partitions = {tp.partition for tp in revoked if tp.topic == self.rt.topics.requests}
+        written = self.flush_buckets(partitions, due_only=False) if self.rt.settings.rate_limit_enabled else 0
+        for partition in partitions:
+            self.last_event.pop(partition, None)
+        self.buckets.drop(partitions)
+        return written
+
     async def handle(self, taken: Taken) -> None:
         """Process one record taken on; its ack follows once its outputs are on the broker."""
         rt, event, ticket = self.rt, taken.event, taken.ticket
@@ -233,13 +274,18 @@ class Intake:
             return
         futures.append(await self._decide(req, reply_to, event, key_id))
         rt.acker.ack_after([ticket], futures)
-        if rt.settings.rate_limit_enabled and self.sweeps.due(msg.partition):
-            try:
-                self.sweep(msg.partition, now_ms())
-            except Exception:  # housekeeping: the request is already answered, never fail it now
-                log.warning(
-                    "sweeping rate-limit buckets of partition %d failed", msg.partition, exc_info=True
-                )
+        if rt.settings.rate_limit_enabled:
+            self.last_event[msg.partition] = event
+            self.buckets.partition = msg.partition
+            if self.sweeps.due(msg.partition):
+                try:
+                    self.sweep(msg.partition, now_ms())
+                except Exception:  # housekeeping: the request is already answered, never fail it now
+                    log.warning(
+                        "sweeping rate-limit buckets of partition %d failed", msg.partition, exc_info=True
+                    )
+            if self.buckets.due(msg.partition):
+                self.flush_buckets({msg.partition})
 
     def sweep(self, partition: int, now: float) -> int:
         """Delete the idle (full again) buckets among the next keys of ``partition``'s rate-limit
@@ -253,8 +299,10 @@ class Intake:
             except ValueError:
                 continue
             if isinstance(key, str) and (value is None or isinstance(value, dict)):
+                if self.buckets.unflushed(key):
+                    continue  # changed since it was stored: not idle
                 if self.limiter.forgettable(key, value, now):
-                    self.table.pop(key, None)
+                    self.buckets.pop(key, None)
                     gone += 1
         self.swept += gone
         return gone
@@ -308,6 +356,7 @@ class Intake:
             # not a burst, and a client's dates cannot refill its bucket
             charged = charge_time_ms(created, record_ms, now, CLOCK_SLACK_MS)
             try:
+                self.buckets.partition = event.message.partition  # the bucket states of its partition
                 self.limiter.check(req.user_id, req.tier, req.tenant, charged, shard=event.message.partition)
             except RateLimitedError as exc:
                 rt.metrics.rate_limited.labels(scope=exc.scope).inc()
@@ -388,6 +437,13 @@ def register(rt: Runtime, cache: AnswerCache | None, model_version: str) -> Inta
         options=table_store_options(rt.settings),
     )
     intake = Intake(rt, table, cache, model_version)
+
+    if rt.settings.rate_limit_enabled:
+
+        @rt.app.timer(interval=max(rt.settings.rate_limit_flush_ms, 100) / 1000)
+        async def flush_buckets() -> None:
+            """The bucket states of partitions whose records stopped coming: written once due."""
+            intake.flush_buckets()
 
     @rt.app.agent(rt.topic(rt.topics.requests), name="surge.intake")
     async def intake_agent(stream: faust.StreamT) -> None:

@@ -215,6 +215,8 @@ class Lifecycle:
             self.rt.acker.revoke(revoked)
         finally:
             self.revoking = False
+            if self.rt.intake is not None:  # while the revoked tables are still this worker's
+                self.rt.intake.buckets_revoked(set(revoked))
             if self.rt.inference is not None:
                 self.rt.inference.wake_readers()
         if not ok:
@@ -225,6 +227,8 @@ class Lifecycle:
         member too)."""
         self.stopping = True
         await self.drain(self.rt.settings.drain_timeout_s)
+        if self.rt.intake is not None:  # the rate-limit buckets' unflushed states, before leaving
+            self.rt.intake.flush_buckets(due_only=False)
 
     async def hold_if_stopping(self) -> None:
         """Called by every reader before it takes on a record: once the worker is stopping, the

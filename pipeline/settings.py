@@ -435,6 +435,15 @@ class Settings(BaseSettings):
 
     # --- rate limits -------------------------------------------------------------------------------------
     rate_limit_enabled: bool = Field(True, description="apply the token buckets")
+    rate_limit_flush_ms: int = Field(
+        500,
+        ge=0,
+        le=60_000,
+        description="how long a bucket's newest state may stay in memory before it is written to the "
+        "rate-limit table and its changelog, per partition, ms: one write per bucket for every request "
+        "that changed it in that time; a crash forgets at most that much of a partition's requests "
+        "(0: written after each request)",
+    )
     user_rate_per_s_free: float = Field(
         _USERS["free"].rate_per_s, gt=0, description="free tier, requests/s per user"
     )

@@ -835,6 +835,41 @@ async def test_a_user_over_its_rate_limit_gets_the_rate_limit_error(
         assert await w.count(w.topics.deadletter) == 0, "a refusal is no dead letter"
 
 
+@pytest.mark.parametrize("flush_ms", [0, 400])
+async def test_bucket_states_reach_the_changelog_written_behind_once_per_interval(
+    kafka: EmbeddedKafka, tmp_path: Path, flush_ms: int
+) -> None:
+    """Two bucket writes per request (the user's and the tenant shard's) were two table writes and
+    two changelog records each: written behind, 60 requests of one user cost a few records, and the
+    newest states still reach the changelog once the interval has passed with no record coming.
+    With 0, each request's writes (docs/architecture.md, "Rate-limit buckets: written behind")."""
+    async with inprocess(
+        kafka,
+        tmp_path,
+        rate_limit_enabled="true",
+        rate_limit_flush_ms=str(flush_ms),
+        user_burst_standard="1000",
+        user_rate_per_s_standard="0.001",
+    ) as w:
+        futures = [await w.client.submit(request(i, "steady", f"question {i}")) for i in range(60)]
+        replies = await w.replies(*futures)
+        await w.settled()
+        assert all(r.status == "ok" for r in replies)
+        await asyncio.sleep(flush_ms / 1000 + 0.5)  # the timer writes what the last records changed
+        intake = w.rt.intake
+        assert intake.buckets.pending() == 0
+        topic = f"{w.deployment.settings.app_id}-ratelimit-changelog"
+        written = await w.count(topic)
+        if flush_ms == 0:
+            assert written == 120, "each request's two buckets written after it"
+        else:
+            assert 2 <= written <= 30, written
+        user_key = json.dumps(intake.limiter.user_key("steady", "default")).encode()
+        records = [r for r in await w.records(topic, written) if r.key == user_key]
+        last = json.loads(records[-1].value)
+        assert abs(last["tokens"] - (1000 - 60)) < 0.5, last
+
+
 async def test_a_users_requests_without_a_key_share_one_bucket_whatever_their_partitions(
     kafka: EmbeddedKafka, tmp_path: Path
 ) -> None:
