@@ -23,7 +23,7 @@ import re
 import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +59,10 @@ DEFAULT_TEMPLATE_CONFIDENCE_FLOOR = 0.25
 #: where the same questions come again and again (docs/architecture.md, "Degradation")
 TEMPLATE_MEMO_TEXTS = 4096
 TEMPLATE_MEMO_BYTES = 4 << 20
+#: how many words' character n-gram columns a TF-IDF block keeps (:meth:`TfidfBlock.columns`), and
+#: the longest word it keeps them for (a longer one is computed each time)
+WORD_COLUMNS_WORDS = 50_000
+WORD_COLUMNS_MAX_CHARS = 40
 
 _WORD_RE = re.compile(r"(?u)\b\w\w+\b")
 
@@ -94,9 +98,32 @@ class TfidfBlock:
     kind: str  # "word" or "char"
     vocab: dict[str, int]
     idf: np.ndarray
+    #: a "char" block's vocabulary columns of each word's n-grams (n-grams never cross a word), for the
+    #: words met lately: questions share most of their words, and the n-grams and their lookups were
+    #: a third of the level-3 template's cost on the intake's event loop
+    _word_columns: dict[str, list[int]] = field(default_factory=dict, compare=False, repr=False)
 
     def analyze(self, text: str) -> list[str]:
         return word_ngrams(text) if self.kind == "word" else char_ngrams(text)
+
+    def columns(self, text: str) -> list[int]:
+        """The vocabulary columns of ``text``'s n-grams in the vocabulary, one per occurrence: what
+        :meth:`row` counts (the same as looking up :meth:`analyze`'s n-grams)."""
+        vocab = self.vocab
+        if self.kind == "word":
+            return [i for i in map(vocab.get, word_ngrams(text)) if i is not None]
+        cache = self._word_columns
+        out: list[int] = []
+        for word in text.lower().split():
+            cols = cache.get(word)
+            if cols is None:
+                cols = [i for i in map(vocab.get, char_ngrams(word)) if i is not None]
+                if len(word) <= WORD_COLUMNS_MAX_CHARS:
+                    if len(cache) >= WORD_COLUMNS_WORDS:
+                        cache.clear()  # hostile text cannot grow it: at most this many words
+                    cache[word] = cols
+            out += cols
+        return out
 
     @classmethod
     def fit(cls, kind: str, texts: Iterable[str], min_df: int = 2) -> TfidfBlock:
@@ -114,8 +141,7 @@ class TfidfBlock:
     def row(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """One text's L2-normalised TF-IDF row: its columns (ascending, int64) and their values
         (float32)."""
-        counts = Counter(map(self.vocab.get, self.analyze(text)))
-        counts.pop(None, None)  # n-grams outside the vocabulary
+        counts = Counter(self.columns(text))  # n-grams outside the vocabulary left out
         cols = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
         tf = np.fromiter(counts.values(), dtype=np.float64, count=len(counts))
         order = np.argsort(cols)

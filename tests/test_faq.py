@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import models.faq as faq_module
 from models.base import ChatMessage, ModelInput
 from models.exceptions import ModelLoadError
-from models.faq import DATA_DIR, INTENTS_FILE, NOT_SURE_ANSWER, WEIGHTS_FILE, FAQAnswerer
+from models.faq import DATA_DIR, INTENTS_FILE, NOT_SURE_ANSWER, WEIGHTS_FILE, FAQAnswerer, load_model
 from models.faq_train import evaluate, read_rows, split_banking77
 
 BANKING77_CSV = Path(__file__).resolve().parents[2] / "shared" / "data" / "banking77" / "train.csv"
@@ -315,6 +316,30 @@ def test_training_fits_the_lexical_layer_and_saves_it(tmp_path: Path) -> None:
     assert model.has_lexical
     predicted = np.asarray(model.labels)[model.lexical_probabilities(texts).argmax(axis=1)]
     assert float(np.mean(predicted == np.asarray(labels))) >= 0.9  # it learnt its own rows from n-grams
+
+
+def test_a_blocks_columns_are_its_ngrams_looked_up_with_each_words_kept() -> None:
+    """``TfidfBlock.columns`` keeps each word's character n-gram columns: the same columns, in the
+    same number, as looking up every n-gram of the text, for words seen before or not, long ones
+    (not kept) and text that is no banking question; a full cache is emptied, not grown."""
+    model = load_model(DATA_DIR)
+    texts = [
+        "Why was my top-up declined?? Order #48213",
+        "why was my TOP-UP declined again",
+        "Ünïcødé wörds and   tabs\tand\nnewlines, ticket 12",
+        "x" * 500 + " card " + "y" * 41,
+        "",
+        "我的卡被吞了 card",
+    ]
+    for block in (model.word, model.char):
+        for text in texts * 2:
+            expected = [i for i in map(block.vocab.get, block.analyze(text)) if i is not None]
+            assert Counter(block.columns(text)) == Counter(expected), (block.kind, text)
+    kept = model.char._word_columns
+    assert "card" in kept and "x" * 500 not in kept and "y" * 41 not in kept
+    kept.update({f"w{i}": [] for i in range(faq_module.WORD_COLUMNS_WORDS - len(kept))})
+    model.char.columns("one more word")
+    assert len(kept) <= 3
 
 
 def test_the_lexical_layer_gathers_what_the_sparse_product_computes() -> None:
