@@ -275,9 +275,8 @@ class Intake:
         futures.append(await self._decide(req, reply_to, event, key_id))
         rt.acker.ack_after([ticket], futures)
         if rt.settings.rate_limit_enabled:
-            self.last_event[msg.partition] = event
-            self.buckets.partition = msg.partition
             if self.sweeps.due(msg.partition):
+                self.buckets.partition = msg.partition  # the sweep reads this partition's states
                 try:
                     self.sweep(msg.partition, now_ms())
                 except Exception:  # housekeeping: the request is already answered, never fail it now
@@ -356,7 +355,9 @@ class Intake:
             # not a burst, and a client's dates cannot refill its bucket
             charged = charge_time_ms(created, record_ms, now, CLOCK_SLACK_MS)
             try:
-                self.buckets.partition = event.message.partition  # the bucket states of its partition
+                # the bucket states of its partition, written later under this record (flush_buckets)
+                self.buckets.partition = event.message.partition
+                self.last_event[event.message.partition] = event
                 self.limiter.check(req.user_id, req.tier, req.tenant, charged, shard=event.message.partition)
             except RateLimitedError as exc:
                 rt.metrics.rate_limited.labels(scope=exc.scope).inc()

@@ -50,12 +50,17 @@ class WriteBehind(MutableMapping[str, Any]):
         self.flushed = 0  # writes handed to the store
         self.coalesced = 0  # writes that replaced an unflushed one (one store write saved each)
 
+    def _unflushed_value(self, key: str) -> Any:
+        """:attr:`partition`'s unflushed value of ``key``, or ``_MISSING``."""
+        dirty = self._dirty.get(self.partition)
+        return _MISSING if dirty is None else dirty.get(key, _MISSING)
+
     def __getitem__(self, key: str) -> Any:
-        value = self._dirty.get(self.partition, {}).get(key, _MISSING)
+        value = self._unflushed_value(key)
         return self.store[key] if value is _MISSING else value
 
     def get(self, key: str, default: Any = None) -> Any:
-        value = self._dirty.get(self.partition, {}).get(key, _MISSING)
+        value = self._unflushed_value(key)
         return self.store.get(key, default) if value is _MISSING else value
 
     def __setitem__(self, key: str, value: Any) -> None:
@@ -66,12 +71,17 @@ class WriteBehind(MutableMapping[str, Any]):
             self._since[self.partition] = self.clock()
         dirty[key] = value
 
+    def _forget(self, key: str) -> None:
+        dirty = self._dirty.get(self.partition)
+        if dirty is not None:
+            dirty.pop(key, None)
+
     def __delitem__(self, key: str) -> None:
-        self._dirty.get(self.partition, {}).pop(key, None)
+        self._forget(key)
         del self.store[key]
 
     def pop(self, key: str, default: Any = _MISSING) -> Any:
-        self._dirty.get(self.partition, {}).pop(key, None)
+        self._forget(key)
         if default is _MISSING:
             return self.store.pop(key)
         return self.store.pop(key, default)
@@ -84,7 +94,7 @@ class WriteBehind(MutableMapping[str, Any]):
 
     def unflushed(self, key: str) -> bool:
         """Whether :attr:`partition` holds a write of ``key`` the store has not seen."""
-        return key in self._dirty.get(self.partition, ())
+        return self._unflushed_value(key) is not _MISSING
 
     def pending(self, partition: int | None = None) -> int:
         """Unflushed writes (of one partition, or of all)."""
