@@ -275,6 +275,32 @@ class Acker:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def reading_start(self, tp: TP) -> int | None:
+        """Where this generation's reading of ``tp`` starts: found at its assignment
+        (:meth:`seek_to_starts`), else asked of the broker now (and kept for :meth:`track`); None
+        when the broker could not say. For a reader that takes records in offset order
+        (:class:`pipeline.in_order.InOrderGate`)."""
+        start = self._starts.get(tp)
+        if start is None:
+            generation = self.generation
+            start = await self._start_of(tp)
+            if start is not None and generation == self.generation:
+                self._starts.setdefault(tp, start)
+        return start
+
+    async def first_at_or_after(self, tp: TP, offset: int) -> int | None:
+        """The first offset the log holds at or after ``offset``; None when the broker could not
+        say (no oracle, no answer in time, or nothing up to the log's end)."""
+        if self.oracle is None:
+            return None
+        try:
+            return await asyncio.wait_for(
+                self.oracle.first_at_or_after(tp.topic, tp.partition, offset), ORACLE_TIMEOUT_S
+            )
+        except Exception as exc:  # the reader asks again later
+            log.warning("could not probe %s at offset %d (%r)", tp, offset, exc)
+            return None
+
     async def _seek(self, points: dict[TP, int], why: str, timeout_s: float = ORACLE_TIMEOUT_S) -> None:
         """Seek partitions and wait for it (``seek_wait``: Faust's ``seek`` would call aiokafka from
         this thread, not the consumer's); a failure is logged, never raised."""

@@ -39,6 +39,7 @@ from pipeline.admin import ensure_topics
 from pipeline.app import create_app, table_store_options
 from pipeline.client import partitions_of
 from pipeline.compat import delete_in_partition, kafka_producer, producer_partitions_for, scan_partition
+from pipeline.in_order import InOrderGate, Verdict
 from pipeline.kafka_security import client_options
 from pipeline.metrics import create_metrics
 from pipeline.records import now_ms
@@ -245,6 +246,8 @@ class RiskAgents:
         self._sender: BatchSender | None = None
         #: per stage, the records read and not yet processed
         self._buffers: dict[str, _Batches] = {}
+        #: each source partition's next offset: records are taken in offset order (_in_order)
+        self.gate: InOrderGate[TP] = InOrderGate()
         #: the newest changelog offset written to each partition's store (never moved back)
         self._persisted: dict[TP, int] = {}
         self.decided = 0
@@ -386,12 +389,57 @@ class RiskAgents:
                     break
                 generation = acker.generation
                 await life.hold_if_stopping()
+                if not await self._in_order(event, generation):
+                    continue
                 ticket = await acker.track(event, generation)
+                if generation == acker.generation:  # taken, or acked without work (done before)
+                    self.gate.took(event.message.tp, event.message.offset)
                 if ticket is None:  # stale, or a repeat delivery of an offset taken on already
                     continue
                 await batches.put(Taken(event, ticket, generation))
         finally:
             processor.cancel()
+
+    async def _in_order(self, event: EventT, generation: int) -> bool:
+        """Whether the reader takes ``event`` now: it is the next offset of its partition (or the
+        broker says nothing lies before it that was not taken). A record past a gap is dropped
+        untouched and its partition read again from the gap: an entity skips an item at or before
+        the position it last took, so taking a later record first would leave the earlier one
+        without a decision (:mod:`pipeline.in_order`; docs/architecture.md, "Risk: takeover")."""
+        acker, gate = self.rt.acker, self.gate
+        if generation != acker.generation:
+            return False  # stale: track would drop it too
+        gate.begin(generation)
+        msg = event.message
+        tp = msg.tp
+        if gate.expected(tp) is None:
+            start = await acker.reading_start(tp)
+            if generation != acker.generation:
+                return False
+            if start is not None:
+                gate.start_at(tp, start)
+        verdict = gate.check(tp, msg.offset)
+        if verdict is Verdict.TAKE:
+            return True
+        if verdict is not Verdict.GAP:  # a repeat, or past a gap being read again
+            return False
+        expected = cast(int, gate.expected(tp))
+        first = await acker.first_at_or_after(tp, expected)
+        if generation != acker.generation:
+            return False
+        if first is not None and first >= msg.offset:  # only markers between: nothing to read
+            gate.gap_empty(tp, msg.offset)
+            return True
+        log.warning(
+            "%s: offset %d delivered before %d (not taken yet); reading the partition again from %d",
+            tp,
+            msg.offset,
+            expected,
+            expected,
+        )
+        gate.seeking(tp)
+        acker.reseek_soon({tp: expected})
+        return False
 
     async def _process_loop(self, kind: str, batches: _Batches) -> None:
         """Processor half: a batch is processed and its outputs sent at once; waiting for the broker,
@@ -783,6 +831,9 @@ class RiskAgents:
             "sends_reported_stuck": self.stuck_reported,
             # records read and not finished, per partition (agents/acks.py): where a stuck one waits
             "unacked_by_partition": self.rt.acker.describe(),
+            # records delivered past one not taken yet: dropped and read again in order (_in_order)
+            "out_of_order_dropped": self.gate.dropped,
+            "empty_gaps_stepped_over": self.gate.empty_gaps,
             "acked_again_without_work": self.rt.acker.done_again,
             "feature_cache_hit_share": round(hits / reads, 4) if reads else None,
             "feature_cache_entries": {k: len(c) for k, c in self.caches.items()},

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from agents.risk import changelog_topic, ensure_risk_topics, feature_config
+from agents.risk import changelog_topic, ensure_risk_topics, feature_config, repartition_topic
 from pipeline.client import partitions_of
 from pipeline.devtools.bench.risk_check import check_decisions, read_arrivals
 from pipeline.metrics import scrape
@@ -27,7 +27,7 @@ from pipeline.records import now_ms
 from pipeline.risk.records import RiskDecision
 from pipeline.risk.rules import DEFAULT_RULES, Rule, RuleBook, RuleSet
 from pipeline.risk.simulate import SimConfig, as_event, disorder, simulate
-from pipeline.risk.stages import partition_for
+from pipeline.risk.stages import REKEYED_KINDS, partition_for
 from pipeline.risk_client import RiskClient, publish_rules, read_rule_records
 from pipeline.riskops import RISK_READY
 
@@ -88,7 +88,17 @@ async def undecided_report(d: Any, missing: list[str], total: int) -> str:
                 eid = json.loads(r.value).get("event_id")
                 if eid in where:
                     where[eid].append(f"{kind} at {r.partition}@{r.offset}")
-    return f"{len(missing)} of {total} events without a decision after the crash: {where}"
+    # the hops between: each repartition record holds items (``e``: the event, ``o``: where the
+    # stage before read it), so a report says at which stage an event stopped
+    for kind in REKEYED_KINDS:
+        for r in await d.read_topic(repartition_topic(d.settings, kind), timeout_s=5):
+            with contextlib.suppress(ValueError, AttributeError, KeyError, TypeError):
+                for item in json.loads(r.value)["items"]:
+                    eid = item["e"].get("event_id")
+                    if eid in where:
+                        where[eid].append(f"by-{kind} at {r.partition}@{r.offset} from {item.get('o')}")
+    logs = "\n".join(f"--- {w.name} ({w.log_path}):\n{w.tail(4000)}" for w in d.workers)
+    return f"{len(missing)} of {total} events without a decision after the crash: {where}\n{logs}"
 
 
 async def assert_all_decided_as_recomputed(d: Any, c: RiskClient, futs: dict[str, Any]) -> dict[str, Any]:
