@@ -43,13 +43,14 @@ from pipeline.compat import producer_buffer_size
 from pipeline.dedup import is_embeddable
 from pipeline.degrade import DegradationController, DegradePlan, MissRateWindow, pressure_depth
 from pipeline.embed_window import EmbedWindow
-from pipeline.exceptions import DeadlineExceededError, SurgeError
+from pipeline.exceptions import DeadlineExceededError, DeadlineUnreachableError, SurgeError
 from pipeline.inference_config import degrade_config, scheduler_config
 from pipeline.intake_backlog import holding_would_block
 from pipeline.isolation import RetryPolicy, run_isolated
 from pipeline.keys import cache_key, reply_key, scope_of, source_key
 from pipeline.merge import MergeRegistry
 from pipeline.pairs import decision_from_settings
+from pipeline.queue_wait import UNREACHABLE_FROM_LEVEL, QueueWait, Unreachable
 from pipeline.records import WorkItem, now_ms
 from pipeline.replan import level_in_force, request_plan, split_popped
 from pipeline.routing import (
@@ -149,6 +150,11 @@ class Inference:
         #: moving averages of the measured cost per item (they size ``work_bound``)
         self.embed_ms_per_item = 0.0
         self.model_ms_per_item = 0.0
+        #: each class's recent waits in the model queue (pipeline/queue_wait.py), and the items the
+        #: last take refused as unable to begin inference in time (by id, until answered)
+        self.queue_wait = QueueWait(max(1, rt.settings.unreachable_window_ms))
+        self._unreachable: dict[int, Unreachable] = {}
+        self.unreachable_refused = 0
 
     # ---- start ---------------------------------------------------------------------------------
     def load(self) -> None:
@@ -217,6 +223,7 @@ class Inference:
             "given_back_records": self.rt.acker.given_back,
             "acked_again_without_work": self.rt.acker.done_again,
             "work_bound": self.work_bound(),
+            "refused_as_unreachable": self.unreachable_refused,
         }
 
     # ---- admission (one reader per class) ---------------------------------------------------------
@@ -458,11 +465,24 @@ class Inference:
             arrivals = {p: arrivals[p] if p == Priority.REALTIME else deque() for p in PRIORITIES}
         now = now_ms()
         policy = self.scheduler.config.deadline_policy
+        # from level 2 on, an item below real-time that would wait in the model queue past its
+        # deadline is refused before its embedding, as if expired (pipeline/queue_wait.py)
+        refuses = self.rt.settings.unreachable_window_ms > 0 and self.level() >= UNREACHABLE_FROM_LEVEL
+        ahead_ms = limit * self.embed_ms_per_item if refuses else None
+        waits, unreachable = self.queue_wait, self._unreachable
 
         def expired(pending: Pending) -> bool:
             work = pending.work
             rejects = policy[work.priority] is DeadlinePolicy.REJECT
-            return expired_before_embedding(work.deadline_at_ms, rejects, now)
+            if expired_before_embedding(work.deadline_at_ms, rejects, now):
+                return True
+            if ahead_ms is None or not rejects or work.priority is Priority.REALTIME:
+                return False
+            verdict = waits.unreachable(str(work.priority), work.deadline_at_ms, now, ahead_ms)
+            if verdict is None:
+                return False
+            unreachable[id(pending)] = verdict
+            return True
 
         return take_arrivals(arrivals, limit, expired)
 
@@ -474,6 +494,13 @@ class Inference:
         late = int(now - (deadline_at_ms or now))
         deadline = int((deadline_at_ms or now) - pending.work.created_at_ms)
         missed = DeadlineExceededError(deadline, late, priority)
+        unreachable = self._unreachable.pop(id(pending), None)
+        if unreachable is not None:
+            self.unreachable_refused += 1
+            u = unreachable
+            missed = DeadlineUnreachableError(
+                deadline, int(u.left_ms), int(u.wait_ms), int(u.ahead_ms), priority
+            )
         self.rt.metrics.deadline_missed.labels(priority=priority).inc()
         if not pending.work.client_deadline:
             self.misses.record(True, now)
@@ -756,6 +783,8 @@ class Inference:
             batch = await self.batcher.next_batch()
             self._room.set()
             now = now_ms()
+            for queued in (*batch.items, *batch.expired):
+                self.queue_wait.observe(str(queued.priority), now - queued.enqueued_at_ms, now)
             done: list[Outcome] = []
             for expired in batch.expired:
                 done += self._missed(expired.payload, expired.deadline_at_ms, str(expired.priority), now)

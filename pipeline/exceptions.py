@@ -70,6 +70,25 @@ class DeadlineExceededError(SurgeError):
         self.priority = priority
 
 
+class DeadlineUnreachableError(DeadlineExceededError):
+    """Refused before its embedding: its class recently waited longer for the model than it has
+    left, so it would expire in the queue (docs/architecture.md, "Degradation")."""
+
+    def __init__(self, deadline_ms: int, left_ms: int, wait_ms: int, ahead_ms: int, priority: str) -> None:
+        SurgeError.__init__(
+            self,
+            f"{priority} request cannot begin inference within its deadline of {deadline_ms} ms: "
+            f"{left_ms} ms left, and {priority} requests waited {wait_ms} ms for the model lately, "
+            f"after an embedding call of about {ahead_ms} ms",
+        )
+        self.deadline_ms = deadline_ms
+        self.late_ms = 0
+        self.left_ms = left_ms
+        self.wait_ms = wait_ms
+        self.ahead_ms = ahead_ms
+        self.priority = priority
+
+
 class SettingsError(SurgeError):
     """An invalid combination of settings; names both values."""
 

@@ -490,6 +490,13 @@ class Settings(BaseSettings):
     degrade_tick_ms: float = Field(
         250.0, gt=0, description="how often the controller reads the pressure, ms (also with no traffic)"
     )
+    unreachable_window_ms: int = Field(
+        2_000,
+        ge=0,
+        description="from degradation level 2, an item below real-time whose time left is shorter than its class's mean "
+        "wait for the model over this window (plus its embedding call) is refused deadline_exceeded "
+        "before its embedding; 0 = never",
+    )
     degrade_template: str = Field(
         "",
         max_length=4096,
