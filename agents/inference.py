@@ -502,7 +502,9 @@ class Inference:
                 deadline, int(u.left_ms), int(u.wait_ms), int(u.ahead_ms), priority
             )
         self.rt.metrics.deadline_missed.labels(priority=priority).inc()
-        if not pending.work.client_deadline:
+        # a refusal is the level's own shedding, like a template: counted in the miss rate it held
+        # the level up after a failover's backlog (docs/architecture.md, "Degradation")
+        if not pending.work.client_deadline and unreachable is None:
             self.misses.record(True, now)
         done = [Outcome.error(pending, missed)]
         for follower, _ in self.merges.close(pending.lead_id):

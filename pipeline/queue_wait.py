@@ -5,10 +5,10 @@ Past the model's speed an item of a class the queue serves late is embedded, que
 there: at twice the model's limit 55 % of the embedding work went to such items, on the event loop
 the intake needs too. The inference agent records, as each batch leaves the queue, every item's wait
 (an expired item's wait so far: a lower bound); :meth:`QueueWait.unreachable` then says that an item
-whose time left is shorter than its class's recent mean wait plus the embedding call ahead of it
+whose time left is shorter than its class's recent median wait plus the embedding call ahead of it
 would expire too, so it is answered ``deadline_exceeded`` before it costs an embedding. The agent
 asks only for classes below real-time: the queue serves real-time first, and its expired items'
-waits made its mean refuse most real-time items at 2 L, handing the model to interactive work.
+waits made its mean wait refuse most real-time items at 2 L, handing the model to interactive work.
 
 Only waits from the last ``window_ms`` count: a class whose items are all refused records none, so
 after a window with none it is embedded again and its estimate starts over from what the queue does
@@ -17,6 +17,7 @@ then (the refusal cannot hold itself in place after the surge). Pure: times are 
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -53,7 +54,9 @@ class QueueWait:
         samples.append((now_ms, max(0.0, wait_ms)))
 
     def expected_ms(self, priority: str, now_ms: float) -> float | None:
-        """The class's mean wait over the window; None when no item of it left the queue in it."""
+        """The class's median wait over the window; None when no item of it left the queue in it.
+        The median, not the mean: a few items expired after a long wait (a failover's backlog)
+        must not make a queue that serves most items in time refuse them."""
         samples = self._samples.get(priority)
         if not samples:
             return None
@@ -62,7 +65,7 @@ class QueueWait:
             samples.popleft()
         if not samples:
             return None
-        return sum(wait for _, wait in samples) / len(samples)
+        return float(statistics.median(wait for _, wait in samples))
 
     def unreachable(
         self, priority: str, deadline_at_ms: float | None, now_ms: float, ahead_ms: float

@@ -493,9 +493,9 @@ class Settings(BaseSettings):
     unreachable_window_ms: int = Field(
         2_000,
         ge=0,
-        description="from degradation level 2, an item below real-time whose time left is shorter than its class's mean "
-        "wait for the model over this window (plus its embedding call) is refused deadline_exceeded "
-        "before its embedding; 0 = never",
+        description="from degradation level 2, an item below real-time whose time left is shorter than "
+        "its class's median wait for the model over this window (plus its embedding call) is refused "
+        "deadline_exceeded before its embedding; 0 = never",
     )
     degrade_template: str = Field(
         "",

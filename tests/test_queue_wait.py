@@ -26,6 +26,16 @@ def test_an_item_with_less_time_left_than_its_class_waited_lately_is_unreachable
     assert waits.unreachable("interactive", None, 10_000, ahead_ms=100) is None, "no deadline"
 
 
+def test_a_few_long_waits_do_not_make_a_queue_that_serves_most_items_in_time_refuse() -> None:
+    """The median: after a failover, items of the backlog expire after seconds in the queue while
+    new ones are served in 100 ms; the mean (1,325 ms here) refused them all."""
+    waits = QueueWait(window_ms=1_000)
+    for wait in (100.0, 100.0, 100.0, 5_000.0):
+        waits.observe("interactive", wait, now_ms=0)
+    assert waits.expected_ms("interactive", 0) == 100.0
+    assert waits.unreachable("interactive", 300, 0, ahead_ms=50) is None
+
+
 def test_waits_older_than_the_window_are_forgotten_so_a_refused_class_is_tried_again() -> None:
     """A class whose items are all refused records no new waits: once the window has passed, its
     items are embedded again, and what the queue does then decides."""
@@ -60,6 +70,8 @@ async def test_from_level_2_an_item_its_class_would_leave_to_expire_is_refused_u
         rec = _RecordingEmbedder(inf.embedder, call_s=0.0)
         inf.embedder = rec
         inf.level = lambda: level  # type: ignore[method-assign]
+        recorded: list[bool] = []  # what the controller's miss rate hears
+        inf.misses.record = lambda missed, now: recorded.append(missed)  # type: ignore[method-assign]
         for priority in ("interactive", "realtime"):
             inf.queue_wait.observe(priority, 120_000.0, now_ms=now_ms())
         doomed_text, urgent_text = "can I move my standing order to another day", "is this payment mine"
@@ -78,3 +90,4 @@ async def test_from_level_2_an_item_its_class_would_leave_to_expire_is_refused_u
         assert "waited 120000 ms for the model lately" in doomed_reply.error.message
         assert doomed_text not in embedded, rec.calls
         assert inf.status()["refused_as_unreachable"] == 1
+        assert True not in recorded, "a refusal is the level's own shedding, not a miss of the worker"
