@@ -50,7 +50,7 @@ from pipeline.isolation import RetryPolicy, run_isolated
 from pipeline.keys import cache_key, reply_key, scope_of, source_key
 from pipeline.merge import MergeRegistry
 from pipeline.pairs import decision_from_settings
-from pipeline.queue_wait import UNREACHABLE_FROM_LEVEL, QueueWait, Unreachable
+from pipeline.queue_wait import UNREACHABLE_FROM_LEVEL, QueueWait
 from pipeline.records import WorkItem, now_ms
 from pipeline.replan import level_in_force, request_plan, split_popped
 from pipeline.routing import (
@@ -150,10 +150,8 @@ class Inference:
         #: moving averages of the measured cost per item (they size ``work_bound``)
         self.embed_ms_per_item = 0.0
         self.model_ms_per_item = 0.0
-        #: each class's recent waits in the model queue (pipeline/queue_wait.py), and the items the
-        #: last take refused as unable to begin inference in time (by id, until answered)
+        #: each class's recent waits in the model queue (pipeline/queue_wait.py)
         self.queue_wait = QueueWait(max(1, rt.settings.unreachable_window_ms))
-        self._unreachable: dict[int, Unreachable] = {}
         self.unreachable_refused = 0
 
     # ---- start ---------------------------------------------------------------------------------
@@ -469,7 +467,7 @@ class Inference:
         # deadline is refused before its embedding, as if expired (pipeline/queue_wait.py)
         refuses = self.rt.settings.unreachable_window_ms > 0 and self.level() >= UNREACHABLE_FROM_LEVEL
         ahead_ms = limit * self.embed_ms_per_item if refuses else None
-        waits, unreachable = self.queue_wait, self._unreachable
+        waits = self.queue_wait
 
         def expired(pending: Pending) -> bool:
             work = pending.work
@@ -478,11 +476,8 @@ class Inference:
                 return True
             if ahead_ms is None or not rejects or work.priority is Priority.REALTIME:
                 return False
-            verdict = waits.unreachable(str(work.priority), work.deadline_at_ms, now, ahead_ms)
-            if verdict is None:
-                return False
-            unreachable[id(pending)] = verdict
-            return True
+            pending.unreachable = waits.unreachable(str(work.priority), work.deadline_at_ms, now, ahead_ms)
+            return pending.unreachable is not None
 
         return take_arrivals(arrivals, limit, expired)
 
@@ -494,13 +489,11 @@ class Inference:
         late = int(now - (deadline_at_ms or now))
         deadline = int((deadline_at_ms or now) - pending.work.created_at_ms)
         missed = DeadlineExceededError(deadline, late, priority)
-        unreachable = self._unreachable.pop(id(pending), None)
+        unreachable = pending.unreachable
         if unreachable is not None:
             self.unreachable_refused += 1
-            u = unreachable
-            missed = DeadlineUnreachableError(
-                deadline, int(u.left_ms), int(u.wait_ms), int(u.ahead_ms), priority
-            )
+            left, wait, ahead = int(unreachable.left_ms), int(unreachable.wait_ms), int(unreachable.ahead_ms)
+            missed = DeadlineUnreachableError(deadline, left, wait, ahead, priority)
         self.rt.metrics.deadline_missed.labels(priority=priority).inc()
         # a refusal is the level's own shedding, like a template: counted in the miss rate it held
         # the level up after a failover's backlog (docs/architecture.md, "Degradation")

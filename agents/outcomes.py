@@ -20,6 +20,7 @@ from agents.acks import Ticket
 from agents.runtime import Runtime
 from models.base import ChatMessage, ModelBackend, ModelInput, ModelOutput
 from pipeline.exceptions import SurgeError
+from pipeline.queue_wait import Unreachable
 from pipeline.records import InferenceReply, InferenceRequest, Timings, WorkItem, now_ms
 
 Source = Literal["model", "cache", "merged", "template", "error"]
@@ -55,6 +56,8 @@ class Pending:
     cache_key: str | None = None
     #: degradation level 3 sends it to the template answer (after a cache lookup)
     template: bool = False
+    #: refused before its embedding: it would wait past its deadline (pipeline/queue_wait.py)
+    unreachable: Unreachable | None = None
     #: copies of this very request read again (a redelivery, e.g. after a rebalance gave this worker
     #: back a partition whose drain timed out) while it was still in flight: acked with its reply,
     #: which is the one reply they all get (a twin asking for another reply topic gets a copy there)
