@@ -25,7 +25,7 @@ from agents.acks import Ticket
 from agents.runtime import Runtime, event_context, unacked
 from agents.shed import template_at_intake
 from pipeline.app import table_store_options
-from pipeline.auth import ApiKey, authorize, header_list
+from pipeline.auth import ApiKey, authorize, check_signed_date, header_list
 from pipeline.cache import AnswerCache
 from pipeline.compat import scan_partition
 from pipeline.exceptions import (
@@ -99,6 +99,8 @@ class Intake:
         #: who may sign a request record; None where records are taken as written (``open``)
         self.signers = rt.signers
         s = rt.settings
+        #: how far a signed request's created_at may lie from its record's append time, ms (0: any)
+        self.signed_max_age_ms = int(s.signed_request_max_age_s * 1000)
         #: records taken on and not yet handled, one lane per class and one for undecodable records
         self.triage: TriageQueue[Taken] = TriageQueue(
             len(Priority) + 1, s.intake_triage_max_records, s.intake_triage_max_mb << 20
@@ -235,6 +237,9 @@ class Intake:
                 raise taken.decoded
             req = taken.decoded
             if signer is not None:
+                # dated by its signature: a captured copy written again later is refused
+                # (docs/architecture.md, "Tenant isolation")
+                check_signed_date(req.created_at, int(msg.timestamp * 1000), self.signed_max_age_ms)
                 req = authorize(req, signer)
             if req.model is not None and req.model not in rt.settings.accepted_models():
                 raise InvalidRequestError(

@@ -39,6 +39,7 @@ from pipeline.exceptions import (
     InvalidRequestError,
     PermissionDeniedError,
     RequestSignatureError,
+    StaleSignedRequestError,
 )
 from pipeline.settings import PRIORITIES, TIERS
 from pipeline.terms import Priority, Tier
@@ -403,6 +404,28 @@ def authorize(req: InferenceRequest, key: ApiKey) -> InferenceRequest:
     except PermissionDeniedError as exc:
         raise InvalidRequestError(exc.message) from exc
     return req.model_copy(update={"tenant": key.tenant, "tier": Tier(tier), "priority": Priority(priority)})
+
+
+def check_signed_date(created_at_ms: int | None, record_ms: int, max_age_ms: int) -> None:
+    """Refuse a signed request that its signature does not date, or dates too far from when the
+    broker appended its record (``record_ms``: the request topic stamps each record with the broker's
+    time, ``LogAppendTime``, which no producer chooses). A signed record copied off the topic and
+    written again later keeps its signature and its ``created_at``, but gets a new append time: past
+    ``max_age_ms`` it is refused, and within it the reply book (which keeps a reply longer) answers it
+    with the reply already given. ``max_age_ms`` 0: no limit, ``created_at`` not required.
+
+    Raises :class:`InvalidRequestError` for a signed request without ``created_at`` and
+    :class:`StaleSignedRequestError` (naming both times and the limit) for one dated more than
+    ``max_age_ms`` before or after its record."""
+    if max_age_ms <= 0:
+        return
+    if created_at_ms is None:
+        raise InvalidRequestError(
+            "a signed request must carry created_at (epoch ms, when it was made): the signature then "
+            "dates the record, and a copy of it written again later is refused"
+        )
+    if abs(record_ms - created_at_ms) > max_age_ms:
+        raise StaleSignedRequestError(created_at_ms, record_ms, max_age_ms)
 
 
 def escalation_signer(secret: str, tenant: str) -> ApiKey:

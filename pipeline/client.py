@@ -286,8 +286,11 @@ class SurgeClient(ReplyClient[InferenceReply]):
     async def produce(self, request: dict[str, Any], signer: ApiKey | None = None) -> asyncio.Future[Any]:
         """Enqueue one request record, keyed by its user_id and signed with ``signer`` (default: the
         client's own, if any); the future of the broker's acknowledgement."""
-        value = json.dumps(request).encode()
         signer = signer or self.signer
+        if signer is not None and "created_at" not in request:
+            # a signed request must say when it was made (pipeline/auth.py, check_signed_date)
+            request = {**request, "created_at": now_ms()}
+        value = json.dumps(request).encode()
         headers = sign(signer, value) if signer is not None else None
         return await self.producer.send(
             self.requests_topic, value=value, key=request["user_id"].encode(), headers=headers

@@ -24,6 +24,26 @@ class InvalidRequestError(SurgeError):
     code = "invalid_request"
 
 
+class StaleSignedRequestError(InvalidRequestError):
+    """A signed request whose ``created_at`` lies further from the time the broker appended its
+    record than signed requests may (a captured record written again later: docs/architecture.md,
+    "Tenant isolation")."""
+
+    def __init__(self, created_at_ms: int, record_ms: int, max_age_ms: int) -> None:
+        gap_ms = record_ms - created_at_ms
+        where = "before" if gap_ms > 0 else "after"
+        super().__init__(
+            f"signed request dated created_at={created_at_ms} lies {abs(gap_ms) / 1000:.1f} s {where} the "
+            f"broker appended its record (at {record_ms}); a signed request is taken only within "
+            f"{max_age_ms / 1000:g} s of its created_at (SURGE_SIGNED_REQUEST_MAX_AGE_S), so that a copy "
+            "of it written again later is refused: sign a new record with a fresh created_at"
+        )
+        self.created_at_ms = created_at_ms
+        self.record_ms = record_ms
+        self.age_ms = gap_ms
+        self.max_age_ms = max_age_ms
+
+
 class RateLimitedError(SurgeError):
     """A token bucket (per user or per tenant) is empty."""
 

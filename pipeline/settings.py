@@ -521,6 +521,15 @@ class Settings(BaseSettings):
         "only boundary; development); auto: signed when api_keys is set, else open; set it alike on "
         "workers and gateways",
     )
+    signed_request_max_age_s: float = Field(
+        300.0,
+        ge=0,
+        description="where records are signed: the longest a signed request's created_at may lie from "
+        "the time the broker appended its record (the request topic's LogAppendTime) before it is "
+        "refused as invalid_request, so that a captured signed record written again later is not "
+        "served again; signed requests must then carry created_at; at most reply_record_ttl_s; "
+        "0 = no limit",
+    )
     gateway_max_in_flight: int = Field(
         0, ge=0, description="requests a gateway waits on at once before answering 503; 0 = no bound"
     )
@@ -792,6 +801,13 @@ class Settings(BaseSettings):
             raise ValueError(
                 "kafka_request_auth='signed' needs api_keys (SURGE_API_KEYS): a signed record names one "
                 "of its keys; set them, or kafka_request_auth='open' for development"
+            )
+        if self.requests_signed and self.signed_request_max_age_s > self.reply_record_ttl_s:
+            # a copy written again inside the window must still meet its recorded reply
+            raise ValueError(
+                f"signed_request_max_age_s={self.signed_request_max_age_s:g} exceeds "
+                f"reply_record_ttl_s={self.reply_record_ttl_s:g}: a signed record written again after "
+                "its reply was forgotten but within the age limit would be served a second time"
             )
         if self.risk_escalation_key is not None:
             shared = [i + 1 for i, k in enumerate(keys) if k.tenant == self.risk_escalation_tenant]

@@ -26,6 +26,7 @@ from pipeline.auth import (
     ApiKey,
     KeyRing,
     authorize,
+    check_signed_date,
     escalation_signer,
     escalation_signer_of,
     header_list,
@@ -36,9 +37,14 @@ from pipeline.auth import (
     sign,
     sign_reply,
 )
-from pipeline.exceptions import InvalidRequestError, RequestSignatureError, SettingsError
+from pipeline.exceptions import (
+    InvalidRequestError,
+    RequestSignatureError,
+    SettingsError,
+    StaleSignedRequestError,
+)
 from pipeline.gateway import start_gateway
-from pipeline.records import DeadLetter, InferenceRequest, decode_request
+from pipeline.records import DeadLetter, InferenceRequest, decode_request, now_ms
 from pipeline.replay import plan
 from pipeline.replyto import ReplyToPolicy
 from pipeline.settings import Settings
@@ -219,6 +225,42 @@ def test_the_escalation_signer_is_premium_realtime_of_its_tenant_under_a_derived
     assert ring.lookup(signer.key) is not None and KeyRing(parse_api_keys(KEYS)).lookup(signer.key) is None
 
 
+def test_a_signed_request_is_taken_only_near_the_time_its_signature_dates_it() -> None:
+    """A signed record copied off the topic and written again later keeps its signature and its
+    created_at but gets a new append time from the broker: past the age limit it is refused, naming
+    both times and the limit; one without created_at cannot be dated and is refused too."""
+    appended = 1_800_000_000_000
+    check_signed_date(appended - 299_999, appended, 300_000)  # sent, retried, appended within the limit
+    check_signed_date(appended + 2_000, appended, 300_000)  # a client clock a little ahead
+    with pytest.raises(StaleSignedRequestError) as info:
+        check_signed_date(appended - 3_600_000, appended, 300_000)  # an hour-old capture written again
+    err = info.value
+    assert (err.code, err.age_ms, err.max_age_ms) == ("invalid_request", 3_600_000, 300_000)
+    assert isinstance(err, InvalidRequestError), "refused like any invalid record: reply and dead letter"
+    assert f"created_at={appended - 3_600_000}" in err.message and "3600.0 s before" in err.message
+    assert (
+        str(appended) in err.message
+        and "300 s" in err.message
+        and "SURGE_SIGNED_REQUEST_MAX_AGE_S" in err.message
+    )
+    with pytest.raises(StaleSignedRequestError, match=r"400\.0 s after"):
+        check_signed_date(appended + 400_000, appended, 300_000)  # dated ahead to outlive the limit
+    with pytest.raises(InvalidRequestError, match="must carry created_at"):
+        check_signed_date(None, appended, 300_000)
+    # the limit off: any date, and none
+    check_signed_date(None, appended, 0)
+    check_signed_date(0, appended, 0)
+
+
+def test_the_age_limit_of_signed_requests_stays_within_the_reply_books_memory() -> None:
+    """Within the age limit a copy written again must still meet the reply its original got."""
+    assert Settings(api_keys=KEYS).signed_request_max_age_s == 300.0
+    with pytest.raises(SettingsError, match="signed_request_max_age_s=7200 exceeds reply_record_ttl_s=3600"):
+        Settings.load(api_keys=KEYS, signed_request_max_age_s="7200")
+    # unsigned deployments do not date records: a short reply memory is theirs to choose
+    assert Settings.load(reply_record_ttl_s="1").requests_signed is False
+
+
 def test_the_setting_signs_where_keys_are_set_and_refuses_signed_without_keys() -> None:
     assert Settings().requests_signed is False
     assert Settings(api_keys=KEYS).requests_signed is True
@@ -329,12 +371,14 @@ async def test_a_worker_with_keys_serves_only_records_signed_within_their_keys_g
     assert risk_signer is not None
 
     def signed(rid: str, key: ApiKey, **fields: Any) -> tuple[bytes, list[tuple[str, bytes]]]:
-        body = request(rid, "u-sig", reply_to=d.topics.replies, **fields)
+        body = request(rid, "u-sig", reply_to=d.topics.replies, **{"created_at": now_ms(), **fields})
+        if body["created_at"] is None:
+            del body["created_at"]
         value = json.dumps(body).encode()
         return value, sign(key, value)
 
     def signed_to(topic: str, rid: str, key: ApiKey, text: str) -> tuple[bytes, list[tuple[str, bytes]]]:
-        value = json.dumps(request(rid, "u-sig", text, reply_to=topic)).encode()
+        value = json.dumps(request(rid, "u-sig", text, reply_to=topic, created_at=now_ms())).encode()
         return value, sign(key, value)
 
     # a reply topic of tenant beta's own: a producer holding no key names it, with the request_id of a
@@ -361,6 +405,9 @@ async def test_a_worker_with_keys_serves_only_records_signed_within_their_keys_g
             b"u-sig",
             *signed("forged-escalation", escalation_signer("a guess", "risk"), tenant="risk"),
         ),
+        # what a copy of a record acme signed an hour ago, written again now, looks like to the intake
+        "stale": (b"u-sig", *signed("stale", ACME, created_at=now_ms() - 3_600_000)),
+        "undated": (b"u-sig", *signed("undated", ACME, created_at=None)),
     }
     futures = {rid: c.expect(f"r-{rid}") for rid in cases}
     for key, value, headers in cases.values():
@@ -375,26 +422,31 @@ async def test_a_worker_with_keys_serves_only_records_signed_within_their_keys_g
         "claims-beta": "tenant 'beta' is not the tenant of the signing key ('acme')",
         "too-high": "priority up to 'interactive', got 'realtime'",
         "forged-escalation": "does not match the record's value for key id 'escalation'",
+        "stale": "s before the broker appended its record",
+        "undated": "a signed request must carry created_at",
     }
     for rid, needle in expected.items():
         err = replies[rid].error
         assert replies[rid].status == "error" and err is not None, rid
         assert err.code == "invalid_request" and needle in err.message, (rid, err)
-    letters = [DeadLetter.model_validate_json(r.value) for r in await d.read_topic(d.topics.deadletter, 4)]
-    assert sorted(dl.reason for dl in letters) == ["invalid_request"] * 4
+    letters = [DeadLetter.model_validate_json(r.value) for r in await d.read_topic(d.topics.deadletter, 6)]
+    assert sorted(dl.reason for dl in letters) == ["invalid_request"] * 6
     assert any("not signed" in dl.message for dl in letters)
+    assert any("SURGE_SIGNED_REQUEST_MAX_AGE_S" in dl.message for dl in letters)
     # the unsigned record's refusal went to the default replies topic (where it was awaited), not the
     # topic it named: nobody vouches for an unsigned record's reply_to
     assert await d.read_topic(victim, 0, timeout_s=2) == []
     # each reply to a signed record is signed back with its key (the refusals after the signature
     # verified too, forwarded records' from the work item); the unsigned record's refusal is not
-    raw = {json.loads(r.value)["request_id"]: r for r in await d.read_topic(d.topics.replies, 7)}
+    raw = {json.loads(r.value)["request_id"]: r for r in await d.read_topic(d.topics.replies, 9)}
     signers = {
         "ok-no-tenant": ACME,
         "ok-forwarded": BETA,
         "ok-escalation": risk_signer,
         "claims-beta": ACME,
         "too-high": ACME,
+        "stale": ACME,
+        "undated": ACME,
     }
     for rid, key in signers.items():
         record = raw[f"r-{rid}"]
@@ -415,6 +467,17 @@ async def test_a_worker_with_keys_serves_only_records_signed_within_their_keys_g
     (answer,) = await d.replies([awaited], 60)
     assert beta.unverified == 1, "acme's reply under beta's request id was not dropped"
     assert answer.status == "ok" and answer.answer == "beta's own question", answer
+
+    # a copy of a signed record written again within the age limit meets the reply its original got,
+    # sent again unchanged: no second model call, no second answer
+    await c.send_raw(*cases["ok-no-tenant"])
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:
+        again = [r for r in await d.read_topic(d.topics.replies, 11) if b'"r-ok-no-tenant"' in r.value]
+        if len(again) >= 2 or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    assert len(again) == 2 and again[0].value == again[1].value, [r.value for r in again]
 
     # the gateway signs with its caller's key: a worker that wants signed records serves it
     gw = await start_gateway(d.settings, host="127.0.0.1", port=0)
