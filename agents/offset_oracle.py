@@ -19,7 +19,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from pipeline.compat import committed_with_metadata_many, refresh_metadata
+from pipeline.compat import READ_COMMITTED, committed_with_metadata_many, refresh_metadata
 from pipeline.exceptions import BrokerError
 from pipeline.kafka_security import client_options
 from pipeline.offsets import decode_done
@@ -47,6 +47,9 @@ class OffsetOracle:
             group_id=group_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
+            # as the worker's consumer reads: a probe that saw an aborted record where the reader
+            # met a gap would send the reader back for it again and again (agents/risk.py, _in_order)
+            isolation_level=READ_COMMITTED,
             **client_options(s),
         )
 

@@ -31,6 +31,10 @@ WRITTEN_FOR: dict[str, str] = {"faust-streaming": "0.15.3", "aiokafka": "0.14.0"
 
 log = logging.getLogger("surge.compat")
 
+#: how every consumer of surge's inputs reads: a record of a transaction its producer aborted is never
+#: delivered (see :func:`set_fetch_max_wait`; docs/architecture.md, "Transactional producers")
+READ_COMMITTED = "read_committed"
+
 
 def kafka_producer(producer: ProducerT) -> AIOKafkaProducer:
     """The aiokafka producer under Faust's producer (created on first use; Faust must have started
@@ -280,9 +284,17 @@ def set_fetch_max_wait(max_wait_ms: int, prefetch_backoff_ms: int | None = None)
     not a consumer option). Faust leaves some fetched records unread for a while (partitions it took
     out of its active set), so every partition, the request topic's too, was fetched in steps of about
     100 ms: a worker's first requests reached the intake in bursts 100 ms apart (docs/architecture.md,
-    "Intake first"). Set on the fetcher once the consumer has started it. Private:
-    ``faust.transport.drivers.aiokafka.AIOKafkaConsumerThread._create_worker_consumer``,
-    ``aiokafka.AIOKafkaConsumer._fetch_max_wait_ms`` and ``_fetcher``,
+    "Intake first"). Set on the fetcher once the consumer has started it.
+
+    The consumer also reads ``read_committed`` (Faust asks for it only under exactly-once): a
+    record of a transaction its producer aborted never happened for that producer (an exactly-once
+    sink of Kafka Streams or Flink writes this way, and writes its records again in a later
+    transaction), yet read uncommitted it got a reply or a risk decision and counted in an account's
+    features (docs/architecture.md, "Transactional producers"). Records of no transaction, which is
+    everything surge writes, read the same either way.
+
+    Private: ``faust.transport.drivers.aiokafka.AIOKafkaConsumerThread._create_worker_consumer``,
+    ``aiokafka.AIOKafkaConsumer._fetch_max_wait_ms``, ``_isolation_level`` and ``_fetcher``,
     ``aiokafka.consumer.fetcher.Fetcher._prefetch_backoff``.
     """
     from faust.transport.drivers import aiokafka as driver
@@ -296,6 +308,7 @@ def set_fetch_max_wait(max_wait_ms: int, prefetch_backoff_ms: int | None = None)
     def create(self: Any, transport: Any) -> AIOKafkaConsumer:
         consumer = original(self, transport)
         consumer._fetch_max_wait_ms = max_wait_ms
+        consumer._isolation_level = READ_COMMITTED  # read by start(), which builds the fetcher
         if prefetch_backoff_ms is not None:
             set_prefetch_backoff(consumer, prefetch_backoff_ms)
         return consumer

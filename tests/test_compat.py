@@ -214,6 +214,10 @@ async def test_the_worker_consumer_waits_at_most_the_fetch_wait_asked() -> None:
         compat.set_fetch_max_wait(40)
         consumer = thread._create_worker_consumer(app.transport)
         assert consumer._fetch_max_wait_ms == 40
+        # and reads committed records only; Faust asks for that only under exactly-once
+        assert 'isolation_level: str = "read_uncommitted"' in inspect.getsource(faust_own)
+        assert consumer._isolation_level == "read_committed"
+        assert "isolation_level=self._isolation_level" in inspect.getsource(AIOKafkaConsumer.start)
         compat.set_fetch_max_wait(70)  # called again: the wrapper wraps Faust's own, not itself
         assert thread._create_worker_consumer(app.transport)._fetch_max_wait_ms == 70
     finally:

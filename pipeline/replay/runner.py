@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from pipeline.auth import request_signers
 from pipeline.client import TopicReader, partitions_of
-from pipeline.compat import track_sent_topics
+from pipeline.compat import READ_COMMITTED, track_sent_topics
 from pipeline.devtools.broker import free_port
 from pipeline.devtools.deployment import load_settings
 from pipeline.devtools.procs import WorkerProcess
@@ -157,6 +157,8 @@ def groupless_consumer(s: Settings, **kw: Any) -> AIOKafkaConsumer:
         enable_auto_commit=False,
         fetch_max_wait_ms=50,
         max_partition_fetch_bytes=4 << 20,
+        # what the live workers read: an aborted transaction's records are not copied
+        isolation_level=READ_COMMITTED,
         **client_options(s),
         **kw,
     )

@@ -41,7 +41,7 @@ from aiokafka.errors import CommitFailedError
 from pipeline.admin import ensure_topics
 from pipeline.auth import request_signers
 from pipeline.client import partitions_of
-from pipeline.compat import track_sent_topics
+from pipeline.compat import READ_COMMITTED, track_sent_topics
 from pipeline.devtools.deployment import load_settings
 from pipeline.devtools.procs import WorkerProcess
 from pipeline.kafka_security import client_options
@@ -260,6 +260,7 @@ class Shadow:
             enable_auto_commit=False,
             auto_offset_reset="latest",
             fetch_max_wait_ms=50,
+            isolation_level=READ_COMMITTED,  # what the live workers read
             **client_options(s),
         )
         producer = AIOKafkaProducer(

@@ -17,6 +17,7 @@ from typing import Any
 from aiokafka import TopicPartition
 
 from pipeline.client import partitions_of
+from pipeline.compat import READ_COMMITTED
 from pipeline.devtools.bench.background import plain_consumer
 from pipeline.risk.features import NAMES, FeatureConfig
 from pipeline.risk.records import (
@@ -33,8 +34,9 @@ from pipeline.topics import TopicNames
 
 
 async def read_all(bootstrap: str, topic: str, options: dict[str, Any] | None = None) -> dict[int, list[Any]]:
-    """Every record of ``topic`` up to its current end, by partition, in offset order."""
-    consumer = plain_consumer(bootstrap, options)
+    """Every committed record of ``topic`` up to its current end, by partition, in offset order (what
+    the worker reads: an aborted transaction's records are not among them)."""
+    consumer = plain_consumer(bootstrap, options, isolation_level=READ_COMMITTED)
     try:
         await consumer.start()
         tps = [TopicPartition(topic, p) for p in await partitions_of(consumer, topic, 100)]
