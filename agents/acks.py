@@ -31,12 +31,14 @@ from faust.types import TP, EventT
 from agents.offset_oracle import OffsetOracle
 from agents.reply_order import task_is_cancelling
 from pipeline.compat import commit_offsets, kafka_producer, producer_backlog, wake_producer
-from pipeline.offsets import LedgerError, PartitionLedger, encode_done
+from pipeline.offsets import LedgerError, PartitionLedger, encode_done, not_held
 
 log = logging.getLogger("surge.acks")
 
 #: how long a question to the broker about offsets may take before the Acker goes on without it
 ORACLE_TIMEOUT_S = 5.0
+#: most records one hole check asks the broker about (past the hole, up to the last one read)
+HOLE_SCAN_RECORDS = 5_000
 #: how long past the producer's request timeout a send may wait before it is reported as stuck
 #: (aiokafka answers a request, fails it or sends it again within that timeout plus its backoff)
 STUCK_MARGIN_S = 10.0
@@ -131,6 +133,9 @@ class Acker:
         self._sends: dict[asyncio.Task[None], SendGroup] = {}
         #: send groups reported as stuck (:meth:`report_stuck_sends`)
         self.stuck_reported = 0
+        #: whether a hole check found offsets the log does not hold (warned once, then logged at info:
+        #: a transactional producer leaves them all the time)
+        self.markers_seen = False
         self._idle = asyncio.Event()
         self._idle.set()
         #: per partition, offsets finished here but not committed when it was revoked (their outputs
@@ -288,14 +293,15 @@ class Acker:
                 self._starts.setdefault(tp, start)
         return start
 
-    async def first_at_or_after(self, tp: TP, offset: int) -> int | None:
-        """The first offset the log holds at or after ``offset``; None when the broker could not
-        say (no oracle, no answer in time, or nothing up to the log's end)."""
+    async def held_from(self, tp: TP, offset: int) -> list[int] | None:
+        """The offsets of the committed records the log holds from ``offset`` on (as many as one
+        fetch returns; empty: none up to the log's end); None when the broker could not say (no
+        oracle, or no answer in time)."""
         if self.oracle is None:
             return None
         try:
             return await asyncio.wait_for(
-                self.oracle.first_at_or_after(tp.topic, tp.partition, offset), ORACLE_TIMEOUT_S
+                self.oracle.held_from(tp.topic, tp.partition, offset), ORACLE_TIMEOUT_S
             )
         except Exception as exc:  # the reader asks again later
             log.warning("could not probe %s at offset %d (%r)", tp, offset, exc)
@@ -494,23 +500,30 @@ class Acker:
             if now - first_seen < self.hole_grace_s:
                 continue
             generation = self.generation
+            # the records held up to the last one read, in one answer: every offset missing from it
+            # is stepped over when the run reaches it, not one hole per grace period
+            span = min(HOLE_SCAN_RECORDS, max(1, (ledger.last_read or hole) - hole + 1))
             try:
-                first = await asyncio.wait_for(
-                    self.oracle.first_at_or_after(tp.topic, tp.partition, hole), ORACLE_TIMEOUT_S
+                held = await asyncio.wait_for(
+                    self.oracle.held_from(tp.topic, tp.partition, hole, span), ORACLE_TIMEOUT_S
                 )
             except Exception as exc:  # asked again on the next tick
                 log.warning("could not probe %s at offset %d (%r)", tp, hole, exc)
                 continue
             if generation != self.generation or self._ledgers.get(tp) is not ledger or ledger.hole() != hole:
                 continue  # a rebalance, or the record arrived meanwhile
-            if first is not None and first > hole:
-                log.warning(
-                    "%s: offsets %d..%d are not in the log (transaction markers?); stepping over",
+            if held and held[0] > hole:
+                absent = not_held(hole, held)
+                log.log(
+                    logging.INFO if self.markers_seen else logging.WARNING,
+                    "%s: %d offsets from %d to %d are not in the log (transaction markers?); stepping over",
                     tp,
+                    len(absent),
                     hole,
-                    first - 1,
+                    held[-1],
                 )
-                ledger.skip_to(first)
+                self.markers_seen = True
+                ledger.mark_absent(absent)
                 resolved += 1
             else:
                 log.warning(

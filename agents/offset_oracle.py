@@ -114,20 +114,23 @@ class OffsetOracle:
 
     async def first_at_or_after(self, topic: str, partition: int, offset: int) -> int | None:
         """The first offset the log holds at or after ``offset`` (None: none up to its end)."""
+        held = await self.held_from(topic, partition, offset, 1)
+        return held[0] if held else None
+
+    async def held_from(self, topic: str, partition: int, offset: int, max_records: int = 500) -> list[int]:
+        """The offsets of the first ``max_records`` committed records the log holds from ``offset``
+        on, ascending (empty: none up to its end); nothing between them is a record."""
         async with self._lock:
             _, probe = await self._started()
             tp = TopicPartition(topic, partition)
             end = (await probe.end_offsets([tp]))[tp]
             start = (await probe.beginning_offsets([tp]))[tp]
             if offset >= end:
-                return None
-            if offset < start:
-                return int(start)
+                return []
             probe.assign([tp])
-            probe.seek(tp, offset)
-            batch: dict[Any, list[Any]] = await probe.getmany(tp, timeout_ms=5000, max_records=1)
-            records = batch.get(tp) or []
-            return int(records[0].offset) if records else None
+            probe.seek(tp, max(offset, start))
+            batch: dict[Any, list[Any]] = await probe.getmany(tp, timeout_ms=5000, max_records=max_records)
+            return [int(r.offset) for r in batch.get(tp) or []]
 
     async def close(self) -> None:
         self._closed = True

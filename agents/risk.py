@@ -424,10 +424,15 @@ class RiskAgents:
         if verdict is not Verdict.GAP:  # a repeat, or past a gap being read again
             return False
         expected = cast(int, gate.expected(tp))
-        first = await acker.first_at_or_after(tp, expected)
+        if gate.known_empty(tp, expected, msg.offset):  # the broker said so before
+            gate.gap_empty(tp, msg.offset)
+            return True
+        held = await acker.held_from(tp, expected)
         if generation != acker.generation:
             return False
-        if first is not None and first >= msg.offset:  # only markers between: nothing to read
+        if held is not None:
+            gate.learn(tp, expected, held)
+        if held and held[0] >= msg.offset:  # only markers between: nothing to read
             gate.gap_empty(tp, msg.offset)
             return True
         log.warning(
@@ -834,6 +839,7 @@ class RiskAgents:
             # records delivered past one not taken yet: dropped and read again in order (_in_order)
             "out_of_order_dropped": self.gate.dropped,
             "empty_gaps_stepped_over": self.gate.empty_gaps,
+            "empty_gaps_known_before": self.gate.known_gaps,
             "acked_again_without_work": self.rt.acker.done_again,
             "feature_cache_hit_share": round(hits / reads, 4) if reads else None,
             "feature_cache_entries": {k: len(c) for k, c in self.caches.items()},

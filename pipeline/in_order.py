@@ -11,10 +11,19 @@ generation, the next offset a reader may take. A record past it (a gap) is taken
 broker says nothing lies in between (a transaction marker); otherwise it is dropped untouched and
 the partition is read again from the gap, and records past the gap are dropped without asking
 again until ``reprobe_after_s`` has passed. Pure: the caller asks the broker and seeks.
+
+What the broker said is kept: one answer lists the committed records it holds from an offset on
+(:meth:`InOrderGate.learn`), and a later gap inside that stretch is answered from the list without
+asking again (:meth:`InOrderGate.known_empty`). A producer that writes one transaction per record
+leaves a marker after each, so its every record is past a gap; asked each time, the reader decided
+a backlog of them at a sixth of its speed (docs/architecture.md, "Transactional producers"). The
+list stays true for good: an offset never changes what it holds, and a record of a transaction still
+open is past every record the broker returned.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 import time
 from collections.abc import Callable, Hashable
@@ -46,9 +55,14 @@ class InOrderGate(Generic[K]):
         self._next: dict[K, int] = {}
         #: partitions read again from their gap: when that was asked
         self._seeking: dict[K, float] = {}
-        #: records past a gap dropped, gaps the broker said were empty (counters for /status)
+        #: per partition, what the broker last said it holds: (the offset asked, the committed
+        #: records' offsets from there, ascending); kept across generations
+        self._held: dict[K, tuple[int, list[int]]] = {}
+        #: records past a gap dropped, gaps the broker said were empty, of which answered from
+        #: what it had said before (counters for /status)
         self.dropped = 0
         self.empty_gaps = 0
+        self.known_gaps = 0
 
     def begin(self, generation: int) -> None:
         """Called with the Acker's generation before each record: a new one (a rebalance) forgets
@@ -95,3 +109,26 @@ class InOrderGate(Generic[K]):
         """The record past the gap was dropped and the partition is read again from the gap."""
         self._seeking[key] = self.clock()
         self.dropped += 1
+
+    def learn(self, key: K, asked: int, held: list[int]) -> None:
+        """The broker's answer for ``key``: the offsets of the committed records it holds from
+        ``asked`` on (ascending; as many as it returned). Nothing between them, nor between
+        ``asked`` and the first, is a record a reader could be handed."""
+        if held:
+            self._held[key] = (asked, held)
+
+    def known_empty(self, key: K, expected: int, offset: int) -> bool:
+        """Whether an earlier answer (:meth:`learn`) already says that no record lies from
+        ``expected`` up to ``offset`` (delivered, past the gap). False when it does not cover the
+        stretch or holds a record in it: ask the broker."""
+        found = self._held.get(key)
+        if found is None:
+            return False
+        asked, held = found
+        if expected < asked or offset > held[-1]:
+            return False
+        i = bisect.bisect_left(held, expected)
+        if i < len(held) and held[i] < offset:
+            return False
+        self.known_gaps += 1
+        return True

@@ -11,7 +11,11 @@ releases only the finished run from that start (docs/architecture.md, "Guarantee
 
 An offset that is not in the log at all (a transaction marker, a compacted record) would hold the
 run back for ever; the agent that finds such a hole confirms it with the broker and skips it
-(:meth:`PartitionLedger.skip_to`).
+(:meth:`PartitionLedger.skip_to`). One answer of the broker lists the records it holds over a
+stretch, so every offset missing from it is marked absent at once (:meth:`PartitionLedger.mark_absent`)
+and the run steps over each as it reaches it: a producer writing in transactions leaves a marker after
+each, and stepping over one marker per question held the commit point near where reading began
+while the reader went on (docs/architecture.md, "Transactional producers").
 
 A record taken on may also be *given back* (:meth:`PartitionLedger.put_back`): a rebalance's drain
 hands back admitted work that has not reached the model, so the partition's owner reads it again.
@@ -50,6 +54,7 @@ class PartitionLedger(Generic[T]):
     def __init__(self, start: int | None = None) -> None:
         self._entries: dict[int, list[object]] = {}  # offset -> [done, token]
         self._given_back: set[int] = set()  # taken on, then handed back unfinished: never released
+        self._absent: set[int] = set()  # not in the log (the broker said so): stepped over
         self._unfinished = 0
         self._base = start  # the next offset to release
         self._last: int | None = None
@@ -162,14 +167,33 @@ class PartitionLedger(Generic[T]):
             self.commit_point = offset
         return self._release()
 
+    def mark_absent(self, offsets: Iterable[int]) -> list[T]:
+        """``offsets`` are not in the log (the broker listed the records around them): the run
+        steps over each when it reaches it. Offsets before the next release, or read, are ignored.
+        Returns the tokens now releasable."""
+        base = self._base
+        self._absent.update(
+            o
+            for o in offsets
+            if (base is None or o >= base) and o not in self._entries and o not in self._given_back
+        )
+        return self._release()
+
     def _release(self) -> list[T]:
         out: list[T] = []
         base = self._base
-        entries = self._entries
-        while base is not None and base in entries and entries[base][0]:
-            out.append(entries.pop(base)[1])  # type: ignore[arg-type]
+        entries, absent = self._entries, self._absent
+        moved = False
+        while base is not None:
+            if base in entries and entries[base][0]:
+                out.append(entries.pop(base)[1])  # type: ignore[arg-type]
+            elif base in absent:
+                absent.discard(base)
+            else:
+                break
             base += 1
-        if out:
+            moved = True
+        if moved:
             self._base = base
             self.commit_point = base
             self.released += len(out)
@@ -179,6 +203,15 @@ class PartitionLedger(Generic[T]):
         """The offset that holds back the commit point, or None when nothing is pending."""
         pending = [o for o, (done, _) in self._entries.items() if not done] + list(self._given_back)
         return min(pending) if pending else None
+
+
+def not_held(start: int, held: list[int]) -> list[int]:
+    """The offsets from ``start`` up to the last of ``held`` (the records the log holds from
+    ``start`` on, ascending, as the broker listed them) that hold no record."""
+    if not held:
+        return []
+    present = set(held)
+    return [o for o in range(start, held[-1]) if o not in present]
 
 
 #: prefix of the commit metadata that lists offsets finished past the committed one

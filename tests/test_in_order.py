@@ -85,6 +85,26 @@ def test_an_empty_gap_is_stepped_over_and_a_rebalance_forgets_every_position() -
     assert gate.expected("p") is None
 
 
+def test_what_the_broker_said_it_holds_answers_later_gaps_inside_it() -> None:
+    """One answer lists the committed records from an offset on; a later gap within that stretch
+    with no listed record in it needs no second question, across rebalances too (an offset never
+    changes what it holds)."""
+    gate: InOrderGate[str] = InOrderGate()
+    gate.begin(0)
+    assert not gate.known_empty("p", 21, 22)  # nothing said yet: ask
+    gate.learn("p", 21, [22, 24, 26, 28])  # a producer writing one transaction per record
+    assert gate.known_empty("p", 21, 22) and gate.known_empty("p", 23, 24) and gate.known_empty("p", 27, 28)
+    assert not gate.known_empty("p", 23, 26), "24 lies between: a record not taken, read it again"
+    assert not gate.known_empty("p", 29, 30), "past what the broker listed: ask again"
+    assert not gate.known_empty("p", 20, 22), "before where it was asked: ask again"
+    assert not gate.known_empty("q", 23, 24), "another partition"
+    gate.begin(1)
+    assert gate.known_empty("p", 25, 26)
+    gate.learn("p", 40, [])  # nothing up to the log's end says nothing: the last answer stays
+    assert gate.known_empty("p", 25, 26)
+    assert gate.known_gaps == 5
+
+
 def test_a_stage_skips_an_item_taken_after_a_later_one_of_its_entity() -> None:
     """Why the order matters: the entity's position rule (input read again after a crash) cannot
     tell an item taken out of order from one it already took."""
@@ -129,9 +149,9 @@ class _Log:
     ) -> dict[tuple[str, int], tuple[int, set[int]]]:
         return {tp: (self.offsets[0], set()) for tp in tps}
 
-    async def first_at_or_after(self, topic: str, partition: int, offset: int) -> int | None:
+    async def held_from(self, topic: str, partition: int, offset: int, max_records: int = 500) -> list[int]:
         self.probes.append(offset)
-        return next((o for o in self.offsets if o >= offset), None)
+        return [o for o in self.offsets if o >= offset][:max_records]
 
     # the agent's stream (``noack().events()``, as agents.runtime.unacked reads it)
     def stream(self) -> Any:
@@ -192,6 +212,15 @@ async def test_a_gap_the_log_does_not_hold_is_stepped_over_without_reading_again
     log = _Log(offsets=[20, 21, 23, 24], first=[20, 21, 23, 24, None])
     assert await _read(log, monkeypatch) == [20, 21, 23, 24]
     assert log.probes == [22] and log.seeks == []
+
+
+async def test_a_producer_writing_a_transaction_per_record_costs_one_question_per_fetch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # records at even offsets, a marker after each: every record lies past a gap
+    log = _Log(offsets=list(range(20, 60, 2)), first=[*range(20, 60, 2), None])
+    assert await _read(log, monkeypatch) == list(range(20, 60, 2))
+    assert log.probes == [21] and log.seeks == [], "one answer covered every later gap"
 
 
 async def test_the_first_record_past_the_committed_offset_waits_for_the_ones_before_it(

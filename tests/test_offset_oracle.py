@@ -121,6 +121,9 @@ async def test_first_offset_held_steps_over_transaction_markers(kafka: EmbeddedK
         assert await oracle.first_at_or_after(topic, 0, 0) == 0
         assert await oracle.first_at_or_after(topic, 0, 1) == 2, "offset 1 is a marker, not a record"
         assert await oracle.first_at_or_after(topic, 0, 3) is None, "only a marker up to the end"
+        assert await oracle.held_from(topic, 0, 0) == [0, 2], "the records, not the markers"
+        assert await oracle.held_from(topic, 0, 1, 1) == [2]
+        assert await oracle.held_from(topic, 0, 3) == []
     finally:
         await oracle.close()
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.offsets import LedgerError, PartitionLedger
+from pipeline.offsets import LedgerError, PartitionLedger, not_held
 
 
 def test_out_of_order_finish_holds_back_until_the_head_is_done() -> None:
@@ -43,6 +43,25 @@ def test_a_gap_holds_the_run_until_the_broker_confirms_it() -> None:
         ledger.skip_to(13)  # 12 was read: a skip never steps over a record that was read
     assert ledger.skip_to(12) == [12] and ledger.hole() == 13
     assert ledger.skip_to(15) == [15] and ledger.commit_point == 16 and ledger.hole() is None
+
+
+def test_one_answer_of_the_broker_steps_over_every_marker_it_covers() -> None:
+    """A producer writing a transaction per record leaves a marker after each: the broker's list of
+    the records it holds from the hole on marks every other offset absent at once, and the run steps
+    over each as it reaches it, finished records or not yet."""
+    ledger: PartitionLedger[int] = PartitionLedger(start=10)
+    for off in (10, 12, 14, 16):
+        ledger.read(off, off)
+    assert ledger.finish(10) == [10] and ledger.hole() == 11
+    held = [12, 14, 16, 18]  # what the broker holds from 11 on (18: not read yet)
+    assert not_held(11, held) == [11, 13, 15, 17]
+    assert ledger.finish(12) == []
+    assert ledger.mark_absent(not_held(11, held)) == [12] and ledger.commit_point == 14
+    assert ledger.hole() is None, "14 is read and unfinished: the run waits for work, not the broker"
+    assert ledger.finish(16) == [] and ledger.finish(14) == [14, 16] and ledger.commit_point == 18
+    assert ledger.read(18, 18) and ledger.finish(18) == [18] and ledger.commit_point == 19
+    assert ledger.mark_absent([5, 19]) == [] and ledger.commit_point == 20, "before the run: ignored"
+    assert not_held(3, []) == [] and not_held(3, [3, 4]) == []
 
 
 def test_records_arriving_ahead_of_the_committed_offset_wait_for_it() -> None:

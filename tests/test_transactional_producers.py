@@ -12,7 +12,8 @@ import time
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 
 from agents.risk import feature_config
 from pipeline.devtools.bench.risk_check import check_decisions, read_arrivals
@@ -62,6 +63,32 @@ async def test_events_committed_one_transaction_each_are_decided_and_aborted_one
     assert after and all("9999" not in json.dumps(dec.features) for dec in after), (
         "the aborted event's amount reached an account's features"
     )
+    # and the commit keeps up: one question to the broker steps over every marker it has read past
+    # (one marker per question and grace period left it near the start while reading went on)
+    lag = await commit_lag(d, f"{d.env['SURGE_APP_ID']}-risk", d.topics.risk_events, within_s=20)
+    assert max(lag.values()) <= 1, f"committed offsets behind the log's end (the last marker aside): {lag}"
+
+
+async def commit_lag(d: Any, group: str, topic: str, within_s: float) -> dict[int, int]:
+    """Per partition of ``topic``, how far ``group``'s committed offset is behind the log's end,
+    polled until every partition is within one offset of it (a trailing marker) or ``within_s``."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=d.bootstrap)
+    consumer = AIOKafkaConsumer(bootstrap_servers=d.bootstrap)
+    await admin.start()
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(d.settings.partitions)]
+        end = await consumer.end_offsets(tps)
+        deadline = time.monotonic() + within_s
+        while True:
+            offsets = await admin.list_consumer_group_offsets(group)
+            lag = {tp.partition: end[tp] - (offsets[tp].offset if tp in offsets else 0) for tp in tps}
+            if max(lag.values()) <= 1 or time.monotonic() > deadline:
+                return lag
+            await asyncio.sleep(0.5)
+    finally:
+        await consumer.stop()
+        await admin.close()
 
 
 async def test_a_request_in_an_aborted_transaction_gets_no_reply_and_its_neighbours_do(
