@@ -295,13 +295,13 @@ class Acker:
 
     async def held_from(self, tp: TP, offset: int) -> list[int] | None:
         """The offsets of the committed records the log holds from ``offset`` on (as many as one
-        fetch returns; empty: none up to the log's end); None when the broker could not say (no
-        oracle, or no answer in time)."""
+        fetch returns), asked by a reader that was handed a record after ``offset``; None when the
+        broker could not say (no oracle, or no answer in time)."""
         if self.oracle is None:
             return None
         try:
             return await asyncio.wait_for(
-                self.oracle.held_from(tp.topic, tp.partition, offset), ORACLE_TIMEOUT_S
+                self.oracle.held_from(tp.topic, tp.partition, offset, known_later=True), ORACLE_TIMEOUT_S
             )
         except Exception as exc:  # the reader asks again later
             log.warning("could not probe %s at offset %d (%r)", tp, offset, exc)
@@ -505,7 +505,8 @@ class Acker:
             span = min(HOLE_SCAN_RECORDS, max(1, (ledger.last_read or hole) - hole + 1))
             try:
                 held = await asyncio.wait_for(
-                    self.oracle.held_from(tp.topic, tp.partition, hole, span), ORACLE_TIMEOUT_S
+                    self.oracle.held_from(tp.topic, tp.partition, hole, span, known_later=True),
+                    ORACLE_TIMEOUT_S,
                 )
             except Exception as exc:  # asked again on the next tick
                 log.warning("could not probe %s at offset %d (%r)", tp, hole, exc)

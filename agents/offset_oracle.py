@@ -28,6 +28,10 @@ from pipeline.settings import Settings
 log = logging.getLogger("surge.offsets")
 
 
+#: how long the probe's fetch waits at the log's end for data (aiokafka's default: 500 ms)
+PROBE_FETCH_WAIT_MS = 20
+
+
 class OffsetOracle:
     """Lazily started read-only consumers; :meth:`close` stops them."""
 
@@ -50,6 +54,10 @@ class OffsetOracle:
             # as the worker's consumer reads: a probe that saw an aborted record where the reader
             # met a gap would send the reader back for it again and again (agents/risk.py, _in_order)
             isolation_level=READ_COMMITTED,
+            # the probe is paused between questions, so a short wait costs nothing while idle; with
+            # aiokafka's 500 ms, a question waited for the last one's fetch, left waiting at the
+            # log's end for data, before its own could be sent (see held_from)
+            fetch_max_wait_ms=PROBE_FETCH_WAIT_MS,
             **client_options(s),
         )
 
@@ -117,19 +125,37 @@ class OffsetOracle:
         held = await self.held_from(topic, partition, offset, 1)
         return held[0] if held else None
 
-    async def held_from(self, topic: str, partition: int, offset: int, max_records: int = 500) -> list[int]:
+    async def held_from(
+        self, topic: str, partition: int, offset: int, max_records: int = 500, *, known_later: bool = False
+    ) -> list[int]:
         """The offsets of the first ``max_records`` committed records the log holds from ``offset``
-        on, ascending (empty: none up to its end); nothing between them is a record."""
+        on, ascending (empty: none up to its end); nothing between them is a record.
+
+        ``known_later``: the caller was handed a committed record after ``offset``, so the fetch
+        returns at once and the log's ends need not be asked first: one round trip instead of three
+        (a risk stage's reader asks at every transaction a transactional producer commits, and waits
+        for the answer; an offset before the log's start is reset to it by the consumer)."""
         async with self._lock:
             _, probe = await self._started()
             tp = TopicPartition(topic, partition)
-            end = (await probe.end_offsets([tp]))[tp]
-            start = (await probe.beginning_offsets([tp]))[tp]
-            if offset >= end:
-                return []
-            probe.assign([tp])
-            probe.seek(tp, max(offset, start))
-            batch: dict[Any, list[Any]] = await probe.getmany(tp, timeout_ms=5000, max_records=max_records)
+            if not known_later:
+                end = (await probe.end_offsets([tp]))[tp]
+                start = (await probe.beginning_offsets([tp]))[tp]
+                if offset >= end:
+                    return []
+                offset = max(offset, start)
+            if probe.assignment() != {tp}:
+                probe.assign([tp])
+            probe.seek(tp, offset)
+            probe.resume(tp)
+            try:
+                batch: dict[Any, list[Any]] = await probe.getmany(
+                    tp, timeout_ms=5000, max_records=max_records
+                )
+            finally:
+                # no fetch between questions: one left waiting at the log's end would hold back
+                # the next question's (aiokafka keeps one fetch in flight per broker)
+                probe.pause(tp)
             return [int(r.offset) for r in batch.get(tp) or []]
 
     async def close(self) -> None:

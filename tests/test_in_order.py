@@ -149,7 +149,9 @@ class _Log:
     ) -> dict[tuple[str, int], tuple[int, set[int]]]:
         return {tp: (self.offsets[0], set()) for tp in tps}
 
-    async def held_from(self, topic: str, partition: int, offset: int, max_records: int = 500) -> list[int]:
+    async def held_from(
+        self, topic: str, partition: int, offset: int, max_records: int = 500, *, known_later: bool = False
+    ) -> list[int]:
         self.probes.append(offset)
         return [o for o in self.offsets if o >= offset][:max_records]
 

@@ -124,6 +124,13 @@ async def test_first_offset_held_steps_over_transaction_markers(kafka: EmbeddedK
         assert await oracle.held_from(topic, 0, 0) == [0, 2], "the records, not the markers"
         assert await oracle.held_from(topic, 0, 1, 1) == [2]
         assert await oracle.held_from(topic, 0, 3) == []
+        # asked by a reader handed a later record: the fetch alone, from the offset (or the log start)
+        assert await oracle.held_from(topic, 0, 1, known_later=True) == [2]
+        # no fetch is left waiting at the log's end between questions: it would hold the next
+        # question's back by up to its wait (aiokafka keeps one fetch in flight per broker)
+        probe = oracle._probe
+        assert probe is not None and probe.paused() == {TopicPartition(topic, 0)}
+        assert probe._fetch_max_wait_ms <= 20
     finally:
         await oracle.close()
 
