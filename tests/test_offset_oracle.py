@@ -130,7 +130,6 @@ async def test_first_offset_held_steps_over_transaction_markers(kafka: EmbeddedK
         # question's back by up to its wait (aiokafka keeps one fetch in flight per broker)
         probe = oracle._probe
         assert probe is not None and probe.paused() == {TopicPartition(topic, 0)}
-        assert probe._fetch_max_wait_ms <= 20
     finally:
         await oracle.close()
 
