@@ -120,11 +120,6 @@ class OffsetOracle:
                     out[(tp.topic, tp.partition)] = (int(starts[tp]), set())
             return out
 
-    async def first_at_or_after(self, topic: str, partition: int, offset: int) -> int | None:
-        """The first offset the log holds at or after ``offset`` (None: none up to its end)."""
-        held = await self.held_from(topic, partition, offset, 1)
-        return held[0] if held else None
-
     async def held_from(
         self, topic: str, partition: int, offset: int, max_records: int = 500, *, known_later: bool = False
     ) -> list[int]:

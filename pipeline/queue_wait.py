@@ -45,6 +45,9 @@ class QueueWait:
         self.window_ms = window_ms
         self._samples: dict[str, deque[tuple[float, float]]] = {}
         self._max = max_samples
+        #: each class's median over its current samples, until they change (asked once per item taken
+        #: for embedding, while samples change once per batch)
+        self._median: dict[str, float] = {}
 
     def observe(self, priority: str, wait_ms: float, now_ms: float) -> None:
         """Called as an item leaves the queue (into a batch, or expired) after ``wait_ms`` in it."""
@@ -52,6 +55,7 @@ class QueueWait:
         if samples is None:
             samples = self._samples[priority] = deque(maxlen=self._max)
         samples.append((now_ms, max(0.0, wait_ms)))
+        self._median.pop(priority, None)
 
     def expected_ms(self, priority: str, now_ms: float) -> float | None:
         """The class's median wait over the window; None when no item of it left the queue in it.
@@ -61,11 +65,16 @@ class QueueWait:
         if not samples:
             return None
         cutoff = now_ms - self.window_ms
-        while samples and samples[0][0] < cutoff:
-            samples.popleft()
-        if not samples:
-            return None
-        return float(statistics.median(wait for _, wait in samples))
+        if samples[0][0] < cutoff:
+            self._median.pop(priority, None)
+            while samples and samples[0][0] < cutoff:
+                samples.popleft()
+            if not samples:
+                return None
+        median = self._median.get(priority)
+        if median is None:
+            median = self._median[priority] = float(statistics.median(wait for _, wait in samples))
+        return median
 
     def unreachable(
         self, priority: str, deadline_at_ms: float | None, now_ms: float, ahead_ms: float

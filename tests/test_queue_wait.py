@@ -46,6 +46,17 @@ def test_waits_older_than_the_window_are_forgotten_so_a_refused_class_is_tried_a
     assert waits.expected_ms("batch", 1_001) is None
 
 
+def test_the_median_kept_between_questions_follows_new_and_forgotten_waits() -> None:
+    waits = QueueWait(window_ms=1_000)
+    waits.observe("interactive", 100.0, now_ms=0)
+    waits.observe("interactive", 300.0, now_ms=800)
+    assert waits.expected_ms("interactive", 900) == 200.0
+    assert waits.expected_ms("interactive", 900) == 200.0  # asked again, nothing changed
+    waits.observe("interactive", 700.0, now_ms=900)
+    assert waits.expected_ms("interactive", 900) == 300.0, "a new wait"
+    assert waits.expected_ms("interactive", 1_001) == 500.0, "the wait at 0 left the window"
+
+
 def test_samples_are_bounded_and_negative_waits_count_as_none() -> None:
     waits = QueueWait(window_ms=10_000, max_samples=3)
     for wait in (1_000.0, 1_000.0, 1_000.0, 10.0, -5.0, 20.0):
